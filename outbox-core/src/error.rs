@@ -1,0 +1,93 @@
+//! Errors of encoding and decoding event payloads.
+
+use crate::event::BoxError;
+
+/// An event could not be turned into JSON.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot encode `{event_type}` as JSON: {source}")]
+pub struct EncodeError {
+    pub(crate) event_type: &'static str,
+    #[source]
+    pub(crate) source: serde_json::Error,
+}
+
+impl EncodeError {
+    /// The event type that failed to encode.
+    pub fn event_type(&self) -> &'static str {
+        self.event_type
+    }
+}
+
+/// A stored payload could not be decoded into an event.
+///
+/// Each variant names one way a payload can be wrong, so that the relay can tell a payload that will
+/// never decode (a dead letter) from one written by newer code (parked until that code runs here).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DecodeError {
+    /// The payload is not JSON at all, or is cut short.
+    #[error("payload is not valid JSON: {0}")]
+    MalformedJson(#[source] serde_json::Error),
+
+    /// The payload is JSON but not an envelope: `version` or `data` is missing, `version` is not a
+    /// positive integer, or the payload is not an object.
+    #[error("payload is not an outbox envelope: {0}")]
+    InvalidEnvelope(#[source] serde_json::Error),
+
+    /// `data` does not have the shape of the event (after upcasting, if the payload was older).
+    #[error(
+        "`data` of a version {version} `{event_type}` payload does not fit the event: {source}"
+    )]
+    InvalidData {
+        /// The event type it was decoded as.
+        event_type: &'static str,
+        /// The version stored in the payload.
+        version: u32,
+        /// What serde_json reported.
+        #[source]
+        source: serde_json::Error,
+    },
+
+    /// The payload is older than the oldest version this build can upcast from.
+    #[error(
+        "`{event_type}` payload version {found} is older than this build can read \
+         (versions {oldest} to {current}): declare `#[outbox(upcast(from = {found}, with = ...))]`"
+    )]
+    MissingUpcaster {
+        /// The event type it was decoded as.
+        event_type: &'static str,
+        /// The version stored in the payload.
+        found: u32,
+        /// The oldest version this build can upcast from.
+        oldest: u32,
+        /// The version this build serializes.
+        current: u32,
+    },
+
+    /// The payload was written by newer code than this build: a rolling deploy is under way, or
+    /// this process is out of date.
+    #[error(
+        "`{event_type}` payload version {found} is newer than version {current} known to this \
+         build: run the newer code to deliver it"
+    )]
+    NewerVersion {
+        /// The event type it was decoded as.
+        event_type: &'static str,
+        /// The version stored in the payload.
+        found: u32,
+        /// The version this build serializes.
+        current: u32,
+    },
+
+    /// An upcaster returned an error.
+    #[error("upcasting `{event_type}` from version {from} failed: {source}")]
+    UpcastFailed {
+        /// The event type it was decoded as.
+        event_type: &'static str,
+        /// The version the failing step reads.
+        from: u32,
+        /// What the upcaster returned.
+        #[source]
+        source: BoxError,
+    },
+}
