@@ -91,3 +91,55 @@ pub enum DecodeError {
         source: BoxError,
     },
 }
+
+/// An event could not be published.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum PublishError {
+    /// The event could not be encoded; nothing was stored.
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    /// The store failed; the transaction should be rolled back (dropping it does that).
+    #[error("cannot store the event: {0}")]
+    Store(#[source] BoxError),
+}
+
+/// A setting is not valid. Returned when a relay, a store or a retry policy is built, never later.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// A schema or table name is not a plain SQL identifier.
+    #[error(
+        "invalid SQL identifier {value:?} for the {role}: use 1 to {max_len} lowercase ASCII \
+         letters, digits and underscores, starting with a letter or an underscore"
+    )]
+    InvalidIdentifier {
+        /// What the name was for, such as `"schema"`.
+        role: &'static str,
+        /// The rejected name.
+        value: String,
+        /// The longest name allowed for this role.
+        max_len: usize,
+    },
+    /// A setting is out of its range.
+    #[error("invalid {setting}: {reason}")]
+    InvalidSetting {
+        /// The setting, such as `"batch size"`.
+        setting: &'static str,
+        /// What is wrong and what is allowed.
+        reason: String,
+    },
+}
+
+/// A store could not do what the relay or an operator asked; the relay logs it and tries again
+/// with backoff.
+#[derive(Debug, thiserror::Error)]
+#[error("outbox store failed: {0}")]
+pub struct StoreError(#[source] pub BoxError);
+
+impl StoreError {
+    /// Wraps any error.
+    pub fn new(error: impl Into<BoxError>) -> Self {
+        Self(error.into())
+    }
+}

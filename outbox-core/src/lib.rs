@@ -59,10 +59,20 @@
 mod envelope;
 mod error;
 mod event;
+mod publish;
+mod relay;
+mod retry;
+mod routing;
+pub mod store;
 
 pub use envelope::{Envelope, Metadata, RawEnvelope, TraceContext, decode, encode};
-pub use error::{DecodeError, EncodeError};
+pub use error::{ConfigError, DecodeError, EncodeError, PublishError, StoreError};
 pub use event::{AggregateId, BoxError, OutboxEvent, Timestamp, Upcaster};
+pub use publish::Publish;
+pub use relay::{BatchReport, Relay, RelayConfig};
+pub use retry::RetryPolicy;
+pub use routing::{Decoded, Delivery, HandlerError, Router};
+pub use store::{Store, StoredEvent};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct with named fields.
 ///

@@ -1,0 +1,619 @@
+//! The relay: claims committed events from a [`Store`], hands them to the subscribers a
+//! [`Router`] names, and records what happened.
+
+use std::collections::HashSet;
+use std::future::Future;
+use std::panic::AssertUnwindSafe;
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::time::Instant;
+use uuid::Uuid;
+
+use crate::error::{ConfigError, DecodeError, StoreError};
+use crate::retry::RetryPolicy;
+use crate::routing::{Decoded, Delivery, HandlerError, Router};
+use crate::store::{
+    Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
+};
+
+/// Errors stored with a delivery are cut to this many bytes.
+const MAX_ERROR_LEN: usize = 4096;
+
+/// How a relay runs. Every setting has a default; see each setter.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_core::{RelayConfig, RetryPolicy};
+///
+/// let config = RelayConfig::default()
+///     .with_poll_interval(Duration::from_millis(500))
+///     .with_batch_size(200)
+///     .with_retry(RetryPolicy::new([Duration::from_secs(5), Duration::from_secs(60)])?);
+/// assert_eq!(config.batch_size(), 200);
+/// # Ok::<(), outbox_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    poll_interval: Duration,
+    batch_size: u32,
+    lease: Duration,
+    handler_timeout: Duration,
+    park_delay: Duration,
+    retry: RetryPolicy,
+    max_error_backoff: Duration,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_secs(2),
+            batch_size: 50,
+            lease: Duration::from_secs(60),
+            handler_timeout: Duration::from_secs(20),
+            park_delay: Duration::from_secs(300),
+            retry: RetryPolicy::default(),
+            max_error_backoff: Duration::from_secs(30),
+        }
+    }
+}
+
+impl RelayConfig {
+    /// How long an idle relay waits before looking for work again (default 2 s). A commit in the
+    /// same process wakes it sooner.
+    #[must_use]
+    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// How many events (and as many retries) one batch claims at most (default 50, at most 10 000).
+    #[must_use]
+    pub fn with_batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// How long a claim lasts (default 60 s). If the relay dies, its claims are taken again when
+    /// they expire. A batch stops starting handlers after half the lease and gives back the rest.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long one handler call may take before it counts as a transient failure (default 20 s,
+    /// at most half the lease).
+    #[must_use]
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long a parked event (newer version, unknown event type) waits before it is looked at
+    /// again (default 5 minutes).
+    #[must_use]
+    pub fn with_park_delay(mut self, delay: Duration) -> Self {
+        self.park_delay = delay;
+        self
+    }
+
+    /// When failed deliveries are retried (default: the seed's 1m, 5m, 15m, 1h, 4h, 24h).
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The longest wait between attempts to reach a failing store (default 30 s).
+    #[must_use]
+    pub fn with_max_error_backoff(mut self, backoff: Duration) -> Self {
+        self.max_error_backoff = backoff;
+        self
+    }
+
+    /// The poll interval.
+    pub fn poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// The batch size.
+    pub fn batch_size(&self) -> u32 {
+        self.batch_size
+    }
+
+    /// The lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retry policy.
+    pub fn retry(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |setting, reason: String| Err(ConfigError::InvalidSetting { setting, reason });
+        if !(1..=10_000).contains(&self.batch_size) {
+            return invalid(
+                "batch size",
+                format!("{} is outside 1..=10000", self.batch_size),
+            );
+        }
+        for (setting, value) in [
+            ("poll interval", self.poll_interval),
+            ("lease", self.lease),
+            ("handler timeout", self.handler_timeout),
+            ("park delay", self.park_delay),
+            ("error backoff", self.max_error_backoff),
+        ] {
+            if value.is_zero() {
+                return invalid(setting, "must be greater than zero".to_owned());
+            }
+        }
+        if self.handler_timeout > self.lease / 2 {
+            return invalid(
+                "handler timeout",
+                format!(
+                    "{:?} is more than half the lease ({:?}): a claim could expire while its \
+                     handler still runs",
+                    self.handler_timeout, self.lease
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Events and deliveries claimed.
+    pub claimed: usize,
+    /// Handler calls that succeeded.
+    pub delivered: usize,
+    /// Deliveries scheduled for another attempt (or set aside until a build that routes them runs).
+    pub retried: usize,
+    /// Deliveries and events that became dead letters.
+    pub dead: usize,
+    /// Events set aside until a newer build runs.
+    pub parked: usize,
+    /// Deliveries held back behind an earlier event of their aggregate.
+    pub waiting: usize,
+    /// Claims given back unprocessed.
+    pub released: usize,
+}
+
+impl BatchReport {
+    fn made_progress(&self) -> bool {
+        self.claimed > self.released
+    }
+}
+
+/// Delivers committed events to their subscribers, at least once, in order per (subscriber,
+/// aggregate).
+///
+/// A relay claims a batch from its [`Store`], hands each event to the subscribers its [`Router`]
+/// names (each subscriber's failures are its own: a subscriber that succeeded is not called
+/// again), and records the outcome of the whole batch in one call. No database transaction stays
+/// open while handlers run. Several relays may share one store.
+pub struct Relay<S, R> {
+    store: S,
+    router: R,
+    config: RelayConfig,
+}
+
+/// Keys held back within one batch.
+#[derive(Default)]
+struct BatchState {
+    /// (subscriber, aggregate) pairs that failed or waited in this batch: their later events wait.
+    blocked: HashSet<(String, Uuid)>,
+    /// Aggregates with an event parked or dead in this batch: their later events are released.
+    stalled: HashSet<Uuid>,
+    /// Handler calls that succeeded.
+    delivered: usize,
+}
+
+impl<S: Store, R: Router> Relay<S, R> {
+    /// A relay over `store` and `router`, or the first invalid setting of `config`.
+    pub fn new(store: S, router: R, config: RelayConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        Ok(Self {
+            store,
+            router,
+            config,
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The router.
+    pub fn router(&self) -> &R {
+        &self.router
+    }
+
+    /// Runs until `shutdown` resolves, then returns after the batch in progress is recorded.
+    ///
+    /// Store errors (a lost connection, a restarting database) are logged and retried with
+    /// exponential backoff; they never end the loop.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut backoff = Duration::ZERO;
+        loop {
+            if (&mut shutdown).now_or_never().is_some() {
+                return;
+            }
+            match self.run_once().await {
+                Ok(report) if report.made_progress() => {
+                    backoff = Duration::ZERO;
+                    continue;
+                }
+                Ok(_) => {
+                    backoff = Duration::ZERO;
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = self.store.notified() => {}
+                        () = tokio::time::sleep(self.config.poll_interval) => {}
+                    }
+                }
+                Err(error) => {
+                    backoff = (backoff * 2)
+                        .max(Duration::from_millis(50))
+                        .min(self.config.max_error_backoff);
+                    tracing::warn!(%error, retry_in = ?backoff, "outbox relay cannot reach its store");
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = tokio::time::sleep(backoff) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims one batch, delivers it, and records the outcomes.
+    pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
+        let claims = self
+            .store
+            .claim(self.config.batch_size, self.config.lease)
+            .await?;
+        let deadline = Instant::now() + self.config.lease / 2;
+        let mut report = BatchReport {
+            claimed: claims.len(),
+            ..BatchReport::default()
+        };
+        let mut state = BatchState::default();
+        let mut outcomes = Outcomes::default();
+        for claim in claims {
+            let out_of_time = Instant::now() >= deadline;
+            match claim {
+                Claim::Event { event, .. } if out_of_time => {
+                    outcomes.events.push((event.id, EventOutcome::Released));
+                }
+                Claim::Delivery {
+                    event, subscriber, ..
+                } if out_of_time => {
+                    outcomes
+                        .deliveries
+                        .push(record(&event, subscriber, DeliveryOutcome::Released));
+                }
+                Claim::Event { event, blocked, .. } => {
+                    self.fan_out(&event, &blocked, &mut state, &mut outcomes)
+                        .await;
+                }
+                Claim::Delivery {
+                    event,
+                    subscriber,
+                    attempts,
+                } => {
+                    let outcome = self
+                        .redeliver(&event, &subscriber, attempts, &mut state)
+                        .await;
+                    outcomes
+                        .deliveries
+                        .push(record(&event, subscriber, outcome));
+                }
+            }
+        }
+        report.delivered = state.delivered;
+        tally(&outcomes, &mut report);
+        if !outcomes.is_empty() {
+            self.record(&outcomes).await?;
+        }
+        Ok(report)
+    }
+
+    /// Hands a pending event to each of its subscribers.
+    async fn fan_out(
+        &self,
+        event: &StoredEvent,
+        blocked: &[String],
+        state: &mut BatchState,
+        outcomes: &mut Outcomes,
+    ) {
+        if state.stalled.contains(&event.aggregate_id) {
+            outcomes.events.push((event.id, EventOutcome::Released));
+            return;
+        }
+        let Some(subscribers) = self.router.subscribers(&event.event_type) else {
+            state.stalled.insert(event.aggregate_id);
+            outcomes.events.push((
+                event.id,
+                EventOutcome::Parked {
+                    reason: format!(
+                        "no subscriber in this build knows event type `{}`",
+                        event.event_type
+                    ),
+                    retry_in: self.config.park_delay,
+                },
+            ));
+            return;
+        };
+        let decoded = match self.router.decode(event) {
+            Ok(decoded) => decoded,
+            Err(error) => {
+                state.stalled.insert(event.aggregate_id);
+                let reason = truncate(error.to_string());
+                let outcome = if matches!(error, DecodeError::NewerVersion { .. }) {
+                    EventOutcome::Parked {
+                        reason,
+                        retry_in: self.config.park_delay,
+                    }
+                } else {
+                    EventOutcome::Dead { reason }
+                };
+                outcomes.events.push((event.id, outcome));
+                return;
+            }
+        };
+        for &subscriber in subscribers {
+            let key = (subscriber.to_owned(), event.aggregate_id);
+            let outcome = if blocked.iter().any(|b| b == subscriber) || state.blocked.contains(&key)
+            {
+                DeliveryOutcome::Waiting
+            } else {
+                match self.attempt(subscriber, event, &decoded, 1).await {
+                    Ok(()) => {
+                        state.delivered += 1;
+                        continue;
+                    }
+                    Err(error) => self.after_failure(&error, 1),
+                }
+            };
+            state.blocked.insert(key);
+            outcomes
+                .deliveries
+                .push(record(event, subscriber.to_owned(), outcome));
+        }
+        outcomes.events.push((event.id, EventOutcome::Published));
+    }
+
+    /// Attempts one pending delivery again.
+    async fn redeliver(
+        &self,
+        event: &StoredEvent,
+        subscriber: &str,
+        attempts: u32,
+        state: &mut BatchState,
+    ) -> DeliveryOutcome {
+        let key = (subscriber.to_owned(), event.aggregate_id);
+        if state.blocked.contains(&key) {
+            return DeliveryOutcome::Released;
+        }
+        let routed = self
+            .router
+            .subscribers(&event.event_type)
+            .is_some_and(|subscribers| subscribers.contains(&subscriber));
+        let outcome = if !routed {
+            self.park_delivery(
+                attempts,
+                format!(
+                    "subscriber `{subscriber}` does not take event type `{}` in this build",
+                    event.event_type
+                ),
+            )
+        } else {
+            match self.router.decode(event) {
+                Err(error @ DecodeError::NewerVersion { .. }) => {
+                    self.park_delivery(attempts, error.to_string())
+                }
+                Err(error) => DeliveryOutcome::Dead {
+                    attempts,
+                    error: truncate(error.to_string()),
+                },
+                Ok(decoded) => {
+                    let attempt = attempts.saturating_add(1);
+                    match self.attempt(subscriber, event, &decoded, attempt).await {
+                        Ok(()) => {
+                            state.delivered += 1;
+                            DeliveryOutcome::Delivered
+                        }
+                        Err(error) => self.after_failure(&error, attempt),
+                    }
+                }
+            }
+        };
+        if outcome != DeliveryOutcome::Delivered {
+            state.blocked.insert(key);
+        }
+        outcome
+    }
+
+    /// Calls one handler, turning a timeout or a panic into a transient error.
+    async fn attempt(
+        &self,
+        subscriber: &str,
+        event: &StoredEvent,
+        decoded: &Decoded,
+        attempt: u32,
+    ) -> Result<(), HandlerError> {
+        let delivery = Delivery::new(event, decoded.metadata(), subscriber, attempt);
+        let call = AssertUnwindSafe(self.router.deliver(subscriber, decoded, &delivery));
+        match tokio::time::timeout(self.config.handler_timeout, call.catch_unwind()).await {
+            Ok(Ok(result)) => result,
+            Ok(Err(panic)) => {
+                let message = panic
+                    .downcast_ref::<&str>()
+                    .map(|s| (*s).to_owned())
+                    .or_else(|| panic.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-string payload".to_owned());
+                Err(HandlerError::transient(format!(
+                    "handler panicked: {message}"
+                )))
+            }
+            Err(_) => Err(HandlerError::transient(format!(
+                "handler timed out after {:?}",
+                self.config.handler_timeout
+            ))),
+        }
+    }
+
+    fn after_failure(&self, error: &HandlerError, attempts: u32) -> DeliveryOutcome {
+        let message = truncate(error.to_string());
+        match error
+            .is_transient()
+            .then(|| self.config.retry.delay_after(attempts))
+            .flatten()
+        {
+            Some(retry_in) => DeliveryOutcome::Retry {
+                attempts,
+                error: message,
+                retry_in,
+            },
+            None => DeliveryOutcome::Dead {
+                attempts,
+                error: message,
+            },
+        }
+    }
+
+    /// Sets a delivery aside until a newer build runs, without counting an attempt.
+    fn park_delivery(&self, attempts: u32, reason: String) -> DeliveryOutcome {
+        DeliveryOutcome::Retry {
+            attempts,
+            error: truncate(reason),
+            retry_in: self.config.park_delay,
+        }
+    }
+
+    /// Records outcomes, retrying a few times: the handlers already ran, and a lost record means
+    /// delivering the batch again once its claims expire.
+    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+        let mut wait = Duration::from_millis(50);
+        let mut tries = 1;
+        loop {
+            match self.store.record(outcomes).await {
+                Ok(()) => return Ok(()),
+                Err(error) if tries >= 5 => return Err(error),
+                Err(error) => {
+                    tracing::warn!(%error, tries, "outbox relay cannot record a batch; retrying");
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
+                    tries += 1;
+                }
+            }
+        }
+    }
+}
+
+fn record(event: &StoredEvent, subscriber: String, outcome: DeliveryOutcome) -> DeliveryRecord {
+    DeliveryRecord {
+        event_id: event.id,
+        aggregate_id: event.aggregate_id,
+        subscriber,
+        outcome,
+    }
+}
+
+fn tally(outcomes: &Outcomes, report: &mut BatchReport) {
+    for (_, outcome) in &outcomes.events {
+        match outcome {
+            EventOutcome::Published => {}
+            EventOutcome::Parked { .. } => report.parked += 1,
+            EventOutcome::Dead { .. } => report.dead += 1,
+            EventOutcome::Released => report.released += 1,
+        }
+    }
+    for delivery in &outcomes.deliveries {
+        match delivery.outcome {
+            DeliveryOutcome::Delivered => {}
+            DeliveryOutcome::Waiting => report.waiting += 1,
+            DeliveryOutcome::Retry { .. } => report.retried += 1,
+            DeliveryOutcome::Dead { .. } => report.dead += 1,
+            DeliveryOutcome::Released => report.released += 1,
+        }
+    }
+}
+
+fn truncate(mut message: String) -> String {
+    if message.len() > MAX_ERROR_LEN {
+        let mut end = MAX_ERROR_LEN;
+        while !message.is_char_boundary(end) {
+            end -= 1;
+        }
+        message.truncate(end);
+        message.push('…');
+    }
+    message
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_defaults_are_valid_and_the_seeds() {
+        let config = RelayConfig::default();
+        config.validate().unwrap();
+        assert_eq!(config.poll_interval(), Duration::from_secs(2));
+        assert_eq!(config.batch_size(), 50);
+        assert_eq!(config.retry(), &RetryPolicy::default());
+    }
+
+    #[test]
+    fn invalid_settings_are_named_in_the_error() {
+        let cases = [
+            (
+                RelayConfig::default().with_batch_size(0),
+                "invalid batch size: 0 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default().with_batch_size(10_001),
+                "invalid batch size: 10001 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default().with_poll_interval(Duration::ZERO),
+                "invalid poll interval: must be greater than zero",
+            ),
+            (
+                RelayConfig::default().with_lease(Duration::ZERO),
+                "invalid lease: must be greater than zero",
+            ),
+            (
+                RelayConfig::default()
+                    .with_lease(Duration::from_secs(10))
+                    .with_handler_timeout(Duration::from_secs(6)),
+                "invalid handler timeout: 6s is more than half the lease (10s): a claim could \
+                 expire while its handler still runs",
+            ),
+        ];
+        for (config, message) in cases {
+            assert_eq!(config.validate().unwrap_err().to_string(), message);
+        }
+    }
+
+    #[test]
+    fn long_errors_are_cut_on_a_character_boundary() {
+        let long = "é".repeat(MAX_ERROR_LEN);
+        let cut = truncate(long);
+        assert!(cut.len() <= MAX_ERROR_LEN + '…'.len_utf8());
+        assert!(cut.ends_with('…'));
+        assert_eq!(truncate("short".to_owned()), "short");
+    }
+}
