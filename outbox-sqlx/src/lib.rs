@@ -1,9 +1,66 @@
-//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default) and, later, SQLite.
+//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default).
 //!
-//! This crate will hold what touches a database: the migrations of the outbox tables, the typestate
-//! transaction that publishes events atomically with the domain change, and the relay's `Store`.
-//! None of it exists yet; the event model it stores lives in [`outbox_core`], re-exported here as
-//! [`core`].
+//! - [`Outbox`] runs the migrations ([`Outbox::migrate`]) and begins transactions that can
+//!   publish ([`Outbox::begin`]).
+//! - [`OutboxTx`] is such a transaction. Domain SQL runs on it, [`publish`](OutboxTx::publish)
+//!   stores events in it, and [`commit`](OutboxTx::commit) stores both or neither. Publishing is
+//!   only possible there: not on a pool, a bare connection, or a finished transaction.
+//! - [`SqlStore`] is the relay's view of the same tables; [`Outbox::relay`] builds an
+//!   [`outbox_core::Relay`] over it.
+//!
+//! ```no_run
+//! use outbox_core::{OutboxEvent, RelayConfig};
+//! use outbox_sqlx::Outbox;
+//! # use serde::{Deserialize, Serialize};
+//! # use uuid::Uuid;
+//! # #[derive(Serialize, Deserialize, OutboxEvent)]
+//! # #[outbox(aggregate_type = "subscription")]
+//! # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+//!
+//! # #[allow(dead_code)] // needs a router and a server
+//! async fn start(router: impl outbox_core::Router) -> Result<(), Box<dyn std::error::Error>> {
+//!     let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+//!     let outbox = Outbox::new(pool);
+//!     outbox.migrate().await?;
+//!
+//!     // Deliver in the background until shutdown.
+//!     let relay = outbox.relay(router, RelayConfig::default())?;
+//!     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+//!
+//!     let mut tx = outbox.begin().await?;
+//!     tx.publish(&PaymentSucceeded { subscription_id: Uuid::nil() }).await?;
+//!     tx.commit().await?;
+//! #     worker.abort();
+//! #     Ok(())
+//! }
+//! ```
+//!
+//! # Tables
+//!
+//! By default the events live in the seed's `events.outbox` and per-subscriber delivery state in
+//! `events.outbox_deliveries`; [`TableNames`] picks other names, validated as SQL identifiers.
 #![doc(test(attr(deny(warnings))))]
 
+mod backend;
+mod error;
+mod names;
+mod outbox;
+#[cfg(feature = "postgres")]
+mod postgres;
+mod tx;
+
+pub use backend::Backend;
+pub use error::Error;
+pub use names::TableNames;
+pub use outbox::{Outbox, SqlStore};
 pub use outbox_core as core;
+pub use tx::{
+    Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
+};
+
+/// Imports for code that publishes: the [`Publish`](outbox_core::Publish) port, and the guard
+/// that turns `publish` on a pool or a connection into an explained compile error.
+pub mod prelude {
+    pub use crate::tx::PublishGuard as _;
+    pub use outbox_core::Publish;
+}

@@ -1,0 +1,81 @@
+//! The database-specific half of the stores: SQL and how to run it.
+
+use std::future::Future;
+use std::time::Duration;
+
+use outbox_core::store::{Claim, Outcomes, Requeue};
+use sqlx::Pool;
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::error::Error;
+use crate::names::TableNames;
+
+/// A database the outbox can live in. Sealed: implemented for [`sqlx::Postgres`] (feature
+/// `postgres`).
+pub trait Backend: sqlx::Database + sealed::Sealed {
+    /// The SQL for one set of tables, built once from the validated names.
+    #[doc(hidden)]
+    type Queries: Send + Sync + 'static;
+
+    #[doc(hidden)]
+    fn queries(names: &TableNames) -> Self::Queries;
+
+    #[doc(hidden)]
+    fn migrate(
+        pool: &Pool<Self>,
+        names: &TableNames,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    #[doc(hidden)]
+    fn insert(
+        conn: &mut Self::Connection,
+        queries: &Self::Queries,
+        events: &[NewEvent],
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn claim(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        limit: u32,
+        lease: Duration,
+    ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn record(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        outcomes: &Outcomes,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn purge_published(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn requeue(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        which: &Requeue,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+}
+
+/// An encoded event on its way into the store.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct NewEvent {
+    pub(crate) aggregate_type: &'static str,
+    pub(crate) aggregate_id: Uuid,
+    pub(crate) event_type: &'static str,
+    pub(crate) payload: String,
+    pub(crate) occurred_at: Option<OffsetDateTime>,
+}
+
+pub(crate) mod sealed {
+    pub trait Sealed {}
+}

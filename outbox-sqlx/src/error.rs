@@ -1,0 +1,33 @@
+//! Errors of the sqlx stores.
+
+use outbox_core::{ConfigError, EncodeError};
+
+/// What can go wrong in `outbox-sqlx`.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The database returned an error or could not be reached.
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    /// An event could not be encoded; nothing was stored.
+    #[error(transparent)]
+    Encode(#[from] EncodeError),
+    /// A setting is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The database holds outbox tables migrated by a newer build.
+    #[error(
+        "the outbox tables `{schema}.{table}` are at migration {found}, newer than the {known} \
+         this build knows: run a build of outbox-sqlx at least as new as the one that migrated them"
+    )]
+    SchemaTooNew {
+        /// The schema.
+        schema: String,
+        /// The base table name.
+        table: String,
+        /// The migration the database is at.
+        found: i32,
+        /// The last migration this build knows.
+        known: i32,
+    },
+}

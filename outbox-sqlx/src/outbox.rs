@@ -1,0 +1,184 @@
+//! The outbox handle: migrations, transactions, and the store the relay reads.
+
+use std::sync::Arc;
+
+use outbox_core::store::{Claim, Outcomes, Requeue};
+use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
+use sqlx::{Pool, Transaction};
+use tokio::sync::Notify;
+
+use crate::backend::Backend;
+use crate::error::Error;
+use crate::names::TableNames;
+use crate::tx::OutboxTx;
+
+/// The outbox of one database: begins transactions that can publish, runs the migrations, and
+/// gives the relay its store.
+///
+/// Cheap to clone; clones share the pool and the in-process wake-up of the relay.
+///
+/// ```no_run
+/// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
+/// use outbox_sqlx::Outbox;
+///
+/// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+/// let outbox = Outbox::new(pool);
+/// outbox.migrate().await?;
+/// # Ok(()) }
+/// ```
+pub struct Outbox<DB: Backend> {
+    inner: Arc<Inner<DB>>,
+}
+
+struct Inner<DB: Backend> {
+    pool: Pool<DB>,
+    names: TableNames,
+    queries: DB::Queries,
+    /// Signalled after a commit that published events, so that a relay in this process starts
+    /// at once instead of at its next poll.
+    wake: Notify,
+}
+
+impl<DB: Backend> Clone for Outbox<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for Outbox<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Outbox")
+            .field("names", &self.inner.names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Outbox<DB> {
+    /// The outbox in the default tables, `events.outbox` and its companions.
+    pub fn new(pool: Pool<DB>) -> Self {
+        Self::with_names(pool, TableNames::default())
+    }
+
+    /// The outbox in the tables `names` gives.
+    pub fn with_names(pool: Pool<DB>, names: TableNames) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                queries: DB::queries(&names),
+                pool,
+                names,
+                wake: Notify::new(),
+            }),
+        }
+    }
+
+    /// Creates or upgrades the outbox tables. Safe to call at every start, from several
+    /// processes at once.
+    pub async fn migrate(&self) -> Result<(), Error> {
+        DB::migrate(&self.inner.pool, &self.inner.names).await
+    }
+
+    /// Begins a transaction on the outbox's pool. Run the domain change on it, publish the events
+    /// the change causes, then commit: both are stored, or neither.
+    pub async fn begin(&self) -> Result<OutboxTx<'static, DB>, Error> {
+        let tx = self.inner.pool.begin().await?;
+        Ok(self.wrap(tx))
+    }
+
+    /// Publishes on a transaction that already exists. To publish inside a transaction you only
+    /// borrow, wrap a nested one: `outbox.wrap(tx.begin().await?)` (a savepoint in the outer
+    /// transaction).
+    pub fn wrap<'c>(&self, tx: Transaction<'c, DB>) -> OutboxTx<'c, DB> {
+        OutboxTx::new(self.clone(), tx)
+    }
+
+    /// The store the relay claims events from.
+    pub fn store(&self) -> SqlStore<DB> {
+        SqlStore {
+            outbox: self.clone(),
+        }
+    }
+
+    /// A relay over this outbox, woken at once by commits made through this handle.
+    pub fn relay<R: Router>(
+        &self,
+        router: R,
+        config: RelayConfig,
+    ) -> Result<Relay<SqlStore<DB>, R>, ConfigError> {
+        Relay::new(self.store(), router, config)
+    }
+
+    /// Deletes events published more than `older_than` ago, `batch_size` rows per statement, and
+    /// returns how many went. Dead letters and events some subscriber has not received yet are
+    /// never deleted.
+    pub async fn purge_published(
+        &self,
+        older_than: std::time::Duration,
+        batch_size: u32,
+    ) -> Result<u64, Error> {
+        if batch_size == 0 {
+            return Err(ConfigError::InvalidSetting {
+                setting: "purge batch size",
+                reason: "must be at least 1".to_owned(),
+            }
+            .into());
+        }
+        Ok(DB::purge_published(self.pool(), self.queries(), older_than, batch_size).await?)
+    }
+
+    /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
+    pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
+        Ok(DB::requeue(self.pool(), self.queries(), which).await?)
+    }
+
+    /// The pool.
+    pub fn pool(&self) -> &Pool<DB> {
+        &self.inner.pool
+    }
+
+    /// The table names.
+    pub fn names(&self) -> &TableNames {
+        &self.inner.names
+    }
+
+    pub(crate) fn queries(&self) -> &DB::Queries {
+        &self.inner.queries
+    }
+
+    pub(crate) fn wake_relay(&self) {
+        self.inner.wake.notify_one();
+    }
+}
+
+/// The relay's [`Store`] over an [`Outbox`].
+#[derive(Clone, Debug)]
+pub struct SqlStore<DB: Backend> {
+    outbox: Outbox<DB>,
+}
+
+impl<DB: Backend> Store for SqlStore<DB> {
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: std::time::Duration,
+    ) -> Result<Vec<Claim>, StoreError> {
+        DB::claim(self.outbox.pool(), self.outbox.queries(), limit, lease)
+            .await
+            .map_err(StoreError::new)
+    }
+
+    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+        DB::record(self.outbox.pool(), self.outbox.queries(), outcomes)
+            .await
+            .map_err(StoreError::new)
+    }
+
+    async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
+        self.outbox.requeue(which).await.map_err(StoreError::new)
+    }
+
+    async fn notified(&self) {
+        self.outbox.inner.wake.notified().await;
+    }
+}

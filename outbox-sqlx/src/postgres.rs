@@ -1,0 +1,534 @@
+//! The PostgreSQL backend.
+
+use std::time::Duration;
+
+use outbox_core::StoredEvent;
+use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue};
+use sqlx::postgres::PgRow;
+use sqlx::{AssertSqlSafe, Executor, PgConnection, PgPool, Postgres, Row, SqlStr};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::backend::{Backend, NewEvent, sealed};
+use crate::error::Error;
+use crate::names::TableNames;
+
+impl sealed::Sealed for Postgres {}
+
+/// The migrations, in order. Each is a template: `{outbox}`, `{deliveries}` and the index names
+/// in braces are replaced by quoted, validated names.
+const MIGRATIONS: &[(i32, &str, &str)] = &[(
+    1,
+    "events and per-subscriber deliveries",
+    r#"
+CREATE TABLE {outbox} (
+    id              BIGSERIAL PRIMARY KEY,
+    aggregate_type  TEXT NOT NULL,
+    aggregate_id    UUID NOT NULL,
+    event_type      TEXT NOT NULL,
+    payload         JSONB NOT NULL,
+    occurred_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
+    published_at    TIMESTAMPTZ,
+    retry_count     INTEGER NOT NULL DEFAULT 0,
+    last_error      TEXT,
+    next_retry_at   TIMESTAMPTZ,
+    dead_at         TIMESTAMPTZ,
+    claimed_until   TIMESTAMPTZ
+);
+COMMENT ON COLUMN {outbox}.published_at IS
+    'set when every subscriber handled the event or holds it as a delivery of its own';
+COMMENT ON COLUMN {outbox}.retry_count IS
+    'times the event was parked (a newer payload version, an unknown event type)';
+COMMENT ON COLUMN {outbox}.dead_at IS
+    'set when the payload can never be decoded; an operator must requeue or fix it';
+
+-- The relay's scan: pending events in id order. Dead events are not in it.
+CREATE INDEX {pending_idx} ON {outbox} (id)
+    WHERE published_at IS NULL AND dead_at IS NULL;
+-- Per-aggregate order: is there an earlier unfinished event of this aggregate?
+CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, id)
+    WHERE published_at IS NULL;
+
+CREATE TABLE {deliveries} (
+    event_id        BIGINT NOT NULL REFERENCES {outbox} (id),
+    subscriber      TEXT NOT NULL,
+    aggregate_id    UUID NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_error      TEXT,
+    next_retry_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
+    dead_at         TIMESTAMPTZ,
+    claimed_until   TIMESTAMPTZ,
+    PRIMARY KEY (subscriber, event_id)
+);
+COMMENT ON TABLE {deliveries} IS
+    'one row per (subscriber, event) not yet delivered after the first pass; deleted once delivered';
+
+-- Head of line: the earliest undelivered event of a (subscriber, aggregate).
+CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, event_id);
+-- Which aggregates hold a subscriber back.
+CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
+-- Due retries.
+CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
+    WHERE dead_at IS NULL;
+"#,
+)];
+
+/// The indexes the migrations create, named `<table>_<index>`.
+const INDEXES: [&str; 5] = [
+    "pending_idx",
+    "aggregate_idx",
+    "deliveries_head_idx",
+    "deliveries_aggregate_idx",
+    "deliveries_due_idx",
+];
+
+/// The SQL of one set of tables.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct PgQueries {
+    lock_namespace: i32,
+    insert: SqlStr,
+    claim: SqlStr,
+    record: SqlStr,
+    requeue_events: SqlStr,
+    requeue_subscriber: SqlStr,
+    purge_published: SqlStr,
+}
+
+fn sql(text: String) -> SqlStr {
+    // Every name in `text` was validated by `TableNames::new` and is quoted.
+    sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
+}
+
+impl Backend for Postgres {
+    type Queries = PgQueries;
+
+    fn queries(names: &TableNames) -> PgQueries {
+        let outbox = names.qualified("");
+        let deliveries = names.qualified("_deliveries");
+        PgQueries {
+            lock_namespace: names.lock_namespace(),
+            insert: sql(format!(
+                r#"
+WITH locks AS MATERIALIZED (
+    SELECT pg_advisory_xact_lock($1::int4, k)
+    FROM (SELECT DISTINCT unnest($2::int4[]) AS k ORDER BY 1) AS keys
+)
+INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+SELECT e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb,
+       coalesce(e.occurred_at, now())
+FROM unnest($3::text[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[])
+     WITH ORDINALITY AS e(aggregate_type, aggregate_id, event_type, payload, occurred_at, n)
+WHERE (SELECT count(*) FROM locks) >= 0
+ORDER BY e.n"#
+            )),
+            claim: sql(format!(
+                r#"
+WITH candidates AS (
+    SELECT id, aggregate_id FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL
+      AND (next_retry_at IS NULL OR next_retry_at <= now())
+      AND (claimed_until IS NULL OR claimed_until < now())
+    ORDER BY id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+),
+claimed_events AS (
+    UPDATE {outbox} AS o SET claimed_until = now() + $2 * interval '1 second'
+    FROM candidates AS c
+    WHERE o.id = c.id
+      AND NOT EXISTS (
+          SELECT 1 FROM {outbox} AS e
+          WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.published_at IS NULL
+            AND NOT EXISTS (SELECT 1 FROM candidates AS c2 WHERE c2.id = e.id))
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
+              o.occurred_at, o.retry_count AS attempts, NULL::text AS subscriber,
+              ARRAY(SELECT DISTINCT d.subscriber FROM {deliveries} AS d
+                    WHERE d.aggregate_id = o.aggregate_id) AS blocked
+),
+due AS (
+    SELECT d.subscriber, d.event_id FROM {deliveries} AS d
+    WHERE d.dead_at IS NULL AND d.next_retry_at <= now()
+      AND (d.claimed_until IS NULL OR d.claimed_until < now())
+      AND NOT EXISTS (
+          SELECT 1 FROM {deliveries} AS h
+          WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
+            AND h.event_id < d.event_id)
+    ORDER BY d.event_id
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+),
+claimed_deliveries AS (
+    UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
+    FROM due JOIN {outbox} AS o ON o.id = due.event_id
+    WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
+              o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked
+)
+SELECT * FROM claimed_events
+UNION ALL
+SELECT * FROM claimed_deliveries
+ORDER BY id, subscriber NULLS FIRST"#
+            )),
+            record: sql(format!(
+                r#"
+WITH published AS (
+    UPDATE {outbox} SET published_at = now(), claimed_until = NULL
+    WHERE id = ANY($1::int8[])
+),
+parked AS (
+    UPDATE {outbox} AS o
+    SET retry_count = o.retry_count + 1, last_error = p.reason,
+        next_retry_at = now() + p.delay * interval '1 second', claimed_until = NULL
+    FROM unnest($2::int8[], $3::text[], $4::float8[]) AS p(id, reason, delay)
+    WHERE o.id = p.id
+),
+dead AS (
+    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason, claimed_until = NULL
+    FROM unnest($5::int8[], $6::text[]) AS x(id, reason)
+    WHERE o.id = x.id
+),
+released AS (
+    UPDATE {outbox} SET claimed_until = NULL WHERE id = ANY($7::int8[])
+),
+delivered AS (
+    DELETE FROM {deliveries} AS d
+    USING unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+),
+upserted AS (
+    INSERT INTO {deliveries} AS d
+        (event_id, subscriber, aggregate_id, attempts, last_error, next_retry_at, dead_at)
+    SELECT x.event_id, x.subscriber, x.aggregate_id, x.attempts, x.error,
+           now() + x.delay * interval '1 second', CASE WHEN x.dead THEN now() END
+    FROM unnest($10::int8[], $11::text[], $12::uuid[], $13::int4[], $14::text[], $15::float8[],
+                $16::bool[])
+         AS x(event_id, subscriber, aggregate_id, attempts, error, delay, dead)
+    ON CONFLICT (subscriber, event_id) DO UPDATE
+    SET attempts = excluded.attempts, last_error = excluded.last_error,
+        next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claimed_until = NULL
+),
+released_deliveries AS (
+    UPDATE {deliveries} AS d SET claimed_until = NULL
+    FROM unnest($17::text[], $18::int8[]) AS x(subscriber, event_id)
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+)
+SELECT 1"#
+            )),
+            requeue_events: sql(format!(
+                r#"
+WITH events AS (
+    UPDATE {outbox}
+    SET dead_at = NULL, next_retry_at = NULL, retry_count = 0, last_error = NULL,
+        claimed_until = NULL
+    WHERE id = ANY($1::int8[]) AND published_at IS NULL
+      AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
+    RETURNING 1
+),
+deliveries AS (
+    UPDATE {deliveries}
+    SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL,
+        claimed_until = NULL
+    WHERE event_id = ANY($1::int8[]) AND dead_at IS NOT NULL
+    RETURNING 1
+)
+SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM deliveries)"#
+            )),
+            purge_published: sql(format!(
+                r#"
+WITH doomed AS (
+    SELECT id FROM {outbox} AS o
+    WHERE published_at < now() - $1 * interval '1 second'
+      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d WHERE d.event_id = o.id)
+    ORDER BY id
+    LIMIT $2
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM {outbox} WHERE id IN (SELECT id FROM doomed)"#
+            )),
+            requeue_subscriber: sql(format!(
+                r#"
+UPDATE {deliveries}
+SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL, claimed_until = NULL
+WHERE subscriber = $1 AND dead_at IS NOT NULL"#
+            )),
+        }
+    }
+
+    async fn migrate(pool: &PgPool, names: &TableNames) -> Result<(), Error> {
+        let schema = names.quoted_schema();
+        let migrations = names.qualified("_migrations");
+        let known = MIGRATIONS.last().map_or(0, |m| m.0);
+        let mut tx = pool.begin().await?;
+        // One migrator at a time per set of tables.
+        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+            .bind(names.lock_namespace())
+            .execute(&mut *tx)
+            .await?;
+        tx.execute(sqlx::raw_sql(sql(format!(
+            "CREATE SCHEMA IF NOT EXISTS {schema};
+             CREATE TABLE IF NOT EXISTS {migrations} (
+                 version     INTEGER PRIMARY KEY,
+                 description TEXT NOT NULL,
+                 applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+             );"
+        ))))
+        .await?;
+        let current: i32 = sqlx::query_scalar(sql(format!(
+            "SELECT coalesce(max(version), 0) FROM {migrations}"
+        )))
+        .fetch_one(&mut *tx)
+        .await?;
+        if current > known {
+            return Err(Error::SchemaTooNew {
+                schema: names.schema().to_owned(),
+                table: names.table().to_owned(),
+                found: current,
+                known,
+            });
+        }
+        for (version, description, template) in MIGRATIONS {
+            if *version <= current {
+                continue;
+            }
+            let mut text = template
+                .replace("{outbox}", &names.qualified(""))
+                .replace("{deliveries}", &names.qualified("_deliveries"));
+            for index in INDEXES {
+                text = text.replace(&format!("{{{index}}}"), &names.local(&format!("_{index}")));
+            }
+            tx.execute(sqlx::raw_sql(sql(text))).await?;
+            sqlx::query(sql(format!(
+                "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"
+            )))
+            .bind(version)
+            .bind(description)
+            .execute(&mut *tx)
+            .await?;
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+
+    async fn insert(
+        conn: &mut PgConnection,
+        queries: &PgQueries,
+        events: &[NewEvent],
+    ) -> Result<(), sqlx::Error> {
+        let keys: Vec<i32> = events.iter().map(|e| lock_key(e.aggregate_id)).collect();
+        let aggregate_types: Vec<&str> = events.iter().map(|e| e.aggregate_type).collect();
+        let aggregate_ids: Vec<Uuid> = events.iter().map(|e| e.aggregate_id).collect();
+        let event_types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
+        let payloads: Vec<&str> = events.iter().map(|e| e.payload.as_str()).collect();
+        let occurred: Vec<Option<OffsetDateTime>> = events.iter().map(|e| e.occurred_at).collect();
+        sqlx::query(queries.insert.clone())
+            .bind(queries.lock_namespace)
+            .bind(keys)
+            .bind(aggregate_types)
+            .bind(aggregate_ids)
+            .bind(event_types)
+            .bind(payloads)
+            .bind(occurred)
+            .execute(conn)
+            .await?;
+        Ok(())
+    }
+
+    async fn claim(
+        pool: &PgPool,
+        queries: &PgQueries,
+        limit: u32,
+        lease: Duration,
+    ) -> Result<Vec<Claim>, sqlx::Error> {
+        let rows = sqlx::query(queries.claim.clone())
+            .bind(i64::from(limit))
+            .bind(lease.as_secs_f64())
+            .fetch_all(pool)
+            .await?;
+        rows.iter().map(claim_from_row).collect()
+    }
+
+    async fn record(
+        pool: &PgPool,
+        queries: &PgQueries,
+        outcomes: &Outcomes,
+    ) -> Result<(), sqlx::Error> {
+        let mut published = Vec::new();
+        let (mut parked_ids, mut parked_reasons, mut parked_delays) = (vec![], vec![], vec![]);
+        let (mut dead_ids, mut dead_reasons) = (vec![], vec![]);
+        let mut released = Vec::new();
+        for (id, outcome) in &outcomes.events {
+            match outcome {
+                EventOutcome::Published => published.push(*id),
+                EventOutcome::Parked { reason, retry_in } => {
+                    parked_ids.push(*id);
+                    parked_reasons.push(reason.as_str());
+                    parked_delays.push(retry_in.as_secs_f64());
+                }
+                EventOutcome::Dead { reason } => {
+                    dead_ids.push(*id);
+                    dead_reasons.push(reason.as_str());
+                }
+                EventOutcome::Released => released.push(*id),
+            }
+        }
+        let (mut done_subscribers, mut done_ids) = (vec![], vec![]);
+        let (mut rel_subscribers, mut rel_ids) = (vec![], vec![]);
+        let mut up = Upserts::default();
+        for d in &outcomes.deliveries {
+            match &d.outcome {
+                DeliveryOutcome::Delivered => {
+                    done_subscribers.push(d.subscriber.as_str());
+                    done_ids.push(d.event_id);
+                }
+                DeliveryOutcome::Released => {
+                    rel_subscribers.push(d.subscriber.as_str());
+                    rel_ids.push(d.event_id);
+                }
+                DeliveryOutcome::Waiting => up.push(d, 0, None, Duration::ZERO, false),
+                DeliveryOutcome::Retry {
+                    attempts,
+                    error,
+                    retry_in,
+                } => up.push(d, *attempts, Some(error), *retry_in, false),
+                DeliveryOutcome::Dead { attempts, error } => {
+                    up.push(d, *attempts, Some(error), Duration::ZERO, true);
+                }
+            }
+        }
+        sqlx::query(queries.record.clone())
+            .bind(published)
+            .bind(parked_ids)
+            .bind(parked_reasons)
+            .bind(parked_delays)
+            .bind(dead_ids)
+            .bind(dead_reasons)
+            .bind(released)
+            .bind(done_subscribers)
+            .bind(done_ids)
+            .bind(up.event_ids)
+            .bind(up.subscribers)
+            .bind(up.aggregate_ids)
+            .bind(up.attempts)
+            .bind(up.errors)
+            .bind(up.delays)
+            .bind(up.dead)
+            .bind(rel_subscribers)
+            .bind(rel_ids)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn purge_published(
+        pool: &PgPool,
+        queries: &PgQueries,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let mut total = 0;
+        loop {
+            let deleted = sqlx::query(queries.purge_published.clone())
+                .bind(older_than.as_secs_f64())
+                .bind(i64::from(batch_size))
+                .execute(pool)
+                .await?
+                .rows_affected();
+            total += deleted;
+            if deleted < u64::from(batch_size) {
+                return Ok(total);
+            }
+        }
+    }
+
+    async fn requeue(
+        pool: &PgPool,
+        queries: &PgQueries,
+        which: &Requeue,
+    ) -> Result<u64, sqlx::Error> {
+        match which {
+            Requeue::Events(ids) => {
+                let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
+                    .bind(ids)
+                    .fetch_one(pool)
+                    .await?;
+                Ok(u64::try_from(changed).unwrap_or(0))
+            }
+            Requeue::Subscriber(subscriber) => Ok(sqlx::query(queries.requeue_subscriber.clone())
+                .bind(subscriber)
+                .execute(pool)
+                .await?
+                .rows_affected()),
+        }
+    }
+}
+
+/// Delivery rows to insert or update, as parallel arrays for `unnest`.
+#[derive(Default)]
+struct Upserts<'a> {
+    event_ids: Vec<i64>,
+    subscribers: Vec<&'a str>,
+    aggregate_ids: Vec<Uuid>,
+    attempts: Vec<i32>,
+    errors: Vec<Option<&'a str>>,
+    delays: Vec<f64>,
+    dead: Vec<bool>,
+}
+
+impl<'a> Upserts<'a> {
+    fn push(
+        &mut self,
+        record: &'a outbox_core::store::DeliveryRecord,
+        attempts: u32,
+        error: Option<&'a String>,
+        delay: Duration,
+        dead: bool,
+    ) {
+        self.event_ids.push(record.event_id);
+        self.subscribers.push(&record.subscriber);
+        self.aggregate_ids.push(record.aggregate_id);
+        self.attempts
+            .push(i32::try_from(attempts).unwrap_or(i32::MAX));
+        self.errors.push(error.map(String::as_str));
+        self.delays.push(delay.as_secs_f64());
+        self.dead.push(dead);
+    }
+}
+
+fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {
+    let event = StoredEvent {
+        id: row.try_get("id")?,
+        aggregate_type: row.try_get("aggregate_type")?,
+        aggregate_id: row.try_get("aggregate_id")?,
+        event_type: row.try_get("event_type")?,
+        payload: row.try_get("payload")?,
+        occurred_at: row.try_get("occurred_at")?,
+    };
+    let attempts: i32 = row.try_get("attempts")?;
+    let attempts = u32::try_from(attempts).unwrap_or(0);
+    Ok(match row.try_get::<Option<String>, _>("subscriber")? {
+        Some(subscriber) => Claim::Delivery {
+            event,
+            subscriber,
+            attempts,
+        },
+        None => Claim::Event {
+            event,
+            parked: attempts,
+            blocked: row
+                .try_get::<Option<Vec<String>>, _>("blocked")?
+                .unwrap_or_default(),
+        },
+    })
+}
+
+/// The advisory lock key of an aggregate: publishers of one aggregate take ids one after the
+/// other, so that id order is commit order within an aggregate.
+fn lock_key(aggregate_id: Uuid) -> i32 {
+    let bytes = aggregate_id.as_u128().to_le_bytes();
+    let folded = bytes
+        .chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .fold(0u32, |acc, word| acc ^ word);
+    i32::from_ne_bytes(folded.to_ne_bytes())
+}

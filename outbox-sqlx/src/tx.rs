@@ -1,0 +1,340 @@
+//! The typestate transaction: the only value that can publish.
+//!
+//! An [`OutboxTx<'c, DB, S>`](OutboxTx) is a database transaction of `DB` that borrows its
+//! connection for `'c` (`'static` when it owns a pooled connection), in the state `S`:
+//!
+//! - [`Active`]: open. Run domain SQL on it (it dereferences to the connection), publish events,
+//!   then [`commit`](OutboxTx::commit) or [`rollback`](OutboxTx::rollback), which consume it.
+//!   Dropping it rolls back.
+//! - [`Committed`], [`RolledBack`]: what `commit` and `rollback` return. They can tell how many
+//!   events were published, and nothing else: publishing on them does not compile.
+//!
+//! Publishing needs the state to implement [`CanPublish`], which only [`Active`] does. Pools,
+//! bare connections and bare sqlx transactions cannot publish at all, so an event is always stored
+//! in the same transaction as the domain change it describes.
+
+use std::future::Future;
+use std::marker::PhantomData;
+use std::ops::{Deref, DerefMut};
+use std::pin::Pin;
+
+use outbox_core::{Metadata, OutboxEvent, Publish, PublishError, encode};
+use sqlx::{Database, Pool, Transaction};
+
+use crate::backend::{Backend, NewEvent};
+use crate::error::Error;
+use crate::outbox::Outbox;
+
+/// The transaction is open.
+#[derive(Debug)]
+pub struct Active;
+
+/// The transaction was committed.
+#[derive(Debug)]
+pub struct Committed;
+
+/// The transaction was rolled back.
+#[derive(Debug)]
+pub struct RolledBack;
+
+/// A state of an [`OutboxTx`]. Sealed.
+pub trait State: sealed::Sealed + Send + 'static {
+    /// What a transaction in this state holds.
+    #[doc(hidden)]
+    type Inner<'c, DB: Backend>: Send;
+}
+
+impl State for Active {
+    type Inner<'c, DB: Backend> = Transaction<'c, DB>;
+}
+
+impl State for Committed {
+    type Inner<'c, DB: Backend> = ();
+}
+
+impl State for RolledBack {
+    type Inner<'c, DB: Backend> = ();
+}
+
+/// The states in which a transaction can publish: only [`Active`].
+#[diagnostic::on_unimplemented(
+    message = "a `{Self}` outbox transaction cannot publish events",
+    label = "this transaction is over",
+    note = "publish before `commit()`; for more events, begin a new transaction with `outbox.begin().await?`"
+)]
+pub trait CanPublish: State {
+    #[doc(hidden)]
+    fn connection<'a, 'c, DB: Backend>(
+        inner: &'a mut Self::Inner<'c, DB>,
+    ) -> &'a mut DB::Connection;
+}
+
+impl CanPublish for Active {
+    fn connection<'a, 'c, DB: Backend>(tx: &'a mut Transaction<'c, DB>) -> &'a mut DB::Connection {
+        tx
+    }
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Active {}
+    impl Sealed for super::Committed {}
+    impl Sealed for super::RolledBack {}
+}
+
+/// A database transaction that can publish events: they commit, or roll back, with it.
+///
+/// Get one from [`Outbox::begin`] (or [`Outbox::wrap`] around a sqlx transaction). Run domain
+/// SQL on it through `&mut *tx`, publish, then commit:
+///
+/// ```no_run
+/// # use outbox_core::OutboxEvent;
+/// # use serde::{Deserialize, Serialize};
+/// # use uuid::Uuid;
+/// # #[derive(Serialize, Deserialize, OutboxEvent)]
+/// # #[outbox(aggregate_type = "subscription")]
+/// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+/// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
+/// # let outbox = outbox_sqlx::Outbox::new(sqlx::PgPool::connect_lazy("postgres://").unwrap());
+/// # let id = Uuid::nil();
+/// let mut tx = outbox.begin().await?;
+/// sqlx::query("UPDATE subscriptions SET cycle_count = cycle_count + 1 WHERE id = $1")
+///     .bind(id)
+///     .execute(&mut *tx)
+///     .await?;
+/// tx.publish(&PaymentSucceeded { subscription_id: id }).await?;
+/// tx.commit().await?; // the update and the event, or neither
+/// # Ok(()) }
+/// ```
+///
+/// Dropping it without `commit` rolls everything back, the events included. After `commit` the
+/// transaction is gone, and so is the ability to publish on it:
+///
+/// ```compile_fail,E0277
+/// # use outbox_core::OutboxEvent;
+/// # use serde::{Deserialize, Serialize};
+/// # use uuid::Uuid;
+/// # #[derive(Serialize, Deserialize, OutboxEvent)]
+/// # #[outbox(aggregate_type = "subscription")]
+/// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+/// # async fn demo(outbox: outbox_sqlx::Outbox<sqlx::Postgres>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
+/// let tx = outbox.begin().await?;
+/// let mut committed = tx.commit().await?;
+/// committed.publish(&PaymentSucceeded { subscription_id: id }).await?; // does not compile
+/// # Ok(()) }
+/// ```
+pub struct OutboxTx<'c, DB: Backend, S: State = Active> {
+    inner: S::Inner<'c, DB>,
+    outbox: Outbox<DB>,
+    metadata: Metadata,
+    published: u64,
+    state: PhantomData<S>,
+}
+
+impl<'c, DB: Backend> OutboxTx<'c, DB, Active> {
+    pub(crate) fn new(outbox: Outbox<DB>, tx: Transaction<'c, DB>) -> Self {
+        Self {
+            inner: tx,
+            outbox,
+            metadata: Metadata::new(),
+            published: 0,
+            state: PhantomData,
+        }
+    }
+
+    /// Commits the domain change and the events. A relay of the same [`Outbox`] in this process
+    /// starts delivering them at once.
+    pub async fn commit(self) -> Result<OutboxTx<'c, DB, Committed>, Error> {
+        self.inner.commit().await?;
+        if self.published > 0 {
+            self.outbox.wake_relay();
+        }
+        Ok(OutboxTx {
+            inner: (),
+            outbox: self.outbox,
+            metadata: self.metadata,
+            published: self.published,
+            state: PhantomData,
+        })
+    }
+
+    /// Rolls back the domain change and the events. Dropping the transaction does the same.
+    pub async fn rollback(self) -> Result<OutboxTx<'c, DB, RolledBack>, Error> {
+        self.inner.rollback().await?;
+        Ok(OutboxTx {
+            inner: (),
+            outbox: self.outbox,
+            metadata: self.metadata,
+            published: self.published,
+            state: PhantomData,
+        })
+    }
+}
+
+/// The future of a publish: boxed, so that publishing in a state that cannot publish is one
+/// compile error at the call, not one more at every `.await`.
+pub type PublishFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+impl<DB: Backend, S: State> OutboxTx<'_, DB, S> {
+    /// Publishes `event` in this transaction, with the transaction's metadata.
+    ///
+    /// The event is encoded at once; the returned future inserts it.
+    pub fn publish<E: OutboxEvent>(&mut self, event: &E) -> PublishFuture<'_, Result<(), Error>>
+    where
+        S: CanPublish,
+    {
+        let rows = encode_all([event], &self.metadata);
+        self.insert(rows)
+    }
+
+    /// Publishes `event` in this transaction, with `metadata`.
+    pub fn publish_with<E: OutboxEvent>(
+        &mut self,
+        event: &E,
+        metadata: &Metadata,
+    ) -> PublishFuture<'_, Result<(), Error>>
+    where
+        S: CanPublish,
+    {
+        let rows = encode_all([event], metadata);
+        self.insert(rows)
+    }
+
+    /// Publishes `events` in this transaction, in order, in one statement, with the
+    /// transaction's metadata.
+    pub fn publish_all<'e, E: OutboxEvent>(
+        &mut self,
+        events: impl IntoIterator<Item = &'e E>,
+    ) -> PublishFuture<'_, Result<(), Error>>
+    where
+        S: CanPublish,
+    {
+        let rows = encode_all(events, &self.metadata);
+        self.insert(rows)
+    }
+
+    /// Sets the metadata (causation and correlation ids, trace context) that
+    /// [`publish`](Self::publish) and [`publish_all`](Self::publish_all) store with each event.
+    pub fn set_metadata(&mut self, metadata: Metadata)
+    where
+        S: CanPublish,
+    {
+        self.metadata = metadata;
+    }
+
+    /// How many events this transaction published.
+    pub fn published(&self) -> u64 {
+        self.published
+    }
+
+    fn insert(&mut self, rows: Result<Vec<NewEvent>, Error>) -> PublishFuture<'_, Result<(), Error>>
+    where
+        S: CanPublish,
+    {
+        Box::pin(async move {
+            let rows = rows?;
+            if rows.is_empty() {
+                return Ok(());
+            }
+            let connection = S::connection::<DB>(&mut self.inner);
+            DB::insert(connection, self.outbox.queries(), &rows).await?;
+            self.published += rows.len() as u64;
+            Ok(())
+        })
+    }
+}
+
+fn encode_all<'e, E: OutboxEvent>(
+    events: impl IntoIterator<Item = &'e E>,
+    metadata: &Metadata,
+) -> Result<Vec<NewEvent>, Error> {
+    events
+        .into_iter()
+        .map(|event| {
+            Ok(NewEvent {
+                aggregate_type: E::AGGREGATE_TYPE,
+                aggregate_id: event.aggregate_id(),
+                event_type: E::EVENT_TYPE,
+                payload: encode(event, metadata)?,
+                occurred_at: event.occurred_at(),
+            })
+        })
+        .collect()
+}
+
+impl<DB: Backend> Deref for OutboxTx<'_, DB, Active> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &DB::Connection {
+        &self.inner
+    }
+}
+
+impl<DB: Backend> DerefMut for OutboxTx<'_, DB, Active> {
+    fn deref_mut(&mut self) -> &mut DB::Connection {
+        &mut self.inner
+    }
+}
+
+impl<DB: Backend, S: State> std::fmt::Debug for OutboxTx<'_, DB, S> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OutboxTx")
+            .field("state", &std::any::type_name::<S>())
+            .field("published", &self.published)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Publish for OutboxTx<'_, DB, Active> {
+    async fn publish<E: OutboxEvent>(&mut self, event: &E) -> Result<(), PublishError> {
+        OutboxTx::publish(self, event)
+            .await
+            .map_err(into_publish_error)
+    }
+
+    async fn publish_with<E: OutboxEvent>(
+        &mut self,
+        event: &E,
+        metadata: &Metadata,
+    ) -> Result<(), PublishError> {
+        OutboxTx::publish_with(self, event, metadata)
+            .await
+            .map_err(into_publish_error)
+    }
+
+    async fn publish_all<'e, E: OutboxEvent>(
+        &mut self,
+        events: impl IntoIterator<Item = &'e E> + Send,
+    ) -> Result<(), PublishError> {
+        OutboxTx::publish_all(self, events)
+            .await
+            .map_err(into_publish_error)
+    }
+}
+
+fn into_publish_error(error: Error) -> PublishError {
+    match error {
+        Error::Encode(error) => PublishError::Encode(error),
+        other => PublishError::Store(Box::new(other)),
+    }
+}
+
+/// Makes `publish` on a pool, a connection or a bare sqlx transaction a compile error that says
+/// what to do instead. It has no other use; it comes with `use outbox_sqlx::prelude::*`.
+pub trait PublishGuard {
+    /// Never callable: `Self` does not implement [`Publish`].
+    fn publish<'a, E: OutboxEvent>(
+        &'a mut self,
+        event: &'a E,
+    ) -> PublishFuture<'a, Result<(), PublishError>>
+    where
+        Self: Publish,
+    {
+        Box::pin(Publish::publish(self, event))
+    }
+}
+
+impl<DB: Database> PublishGuard for Pool<DB> {}
+impl<DB: Database> PublishGuard for Transaction<'_, DB> {}
+#[cfg(feature = "postgres")]
+impl PublishGuard for sqlx::PgConnection {}
