@@ -1,7 +1,12 @@
 //! Events and helpers shared by the cross-crate tests.
 //!
-//! The events model the seed's billing scenario. Each has a canonical sample, whose encoded payload
-//! is pinned by a golden file under `fixtures/`.
+//! - [`events`] model the seed's billing scenario; each has a canonical sample in [`samples`],
+//!   whose encoded payload is pinned by a golden file under `fixtures/`.
+//! - [`pg`] gives each test a fresh PostgreSQL database.
+//! - [`kit`] wires scripted subscribers to events for relay tests.
+
+pub mod kit;
+pub mod pg;
 
 pub mod events {
     //! Test events covering every form the derive supports.

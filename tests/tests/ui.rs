@@ -8,5 +8,6 @@
 fn ui() {
     let t = trybuild::TestCases::new();
     t.compile_fail("ui/event/*.rs");
+    t.compile_fail("ui/tx/*.rs");
     t.pass("ui/pass/*.rs");
 }

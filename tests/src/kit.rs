@@ -1,0 +1,344 @@
+//! Subscribers registered in code, with scripted failures and a log of what they saw.
+//!
+//! The compile-time router will replace [`TestRouter`]; until then it is how tests wire
+//! subscribers to events through the `Router` trait.
+
+use std::collections::{HashMap, VecDeque};
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use outbox_core::{
+    BatchReport, DecodeError, Decoded, Delivery, HandlerError, Metadata, OutboxEvent, Relay,
+    Router, Store, StoredEvent,
+};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+/// The event most relay tests publish: a numbered ping on an aggregate.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "probe", event_type = "Ping")]
+pub struct Ping {
+    /// The aggregate.
+    #[outbox(aggregate_id)]
+    pub aggregate: Uuid,
+    /// Its number within the aggregate, in publishing order.
+    pub seq: u32,
+}
+
+/// A second event type, for routing tests.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "probe", event_type = "Pong")]
+pub struct Pong {
+    /// The aggregate.
+    #[outbox(aggregate_id)]
+    pub aggregate: Uuid,
+    /// Its number.
+    pub seq: u32,
+}
+
+/// One handler call, as a subscriber saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Seen {
+    /// The subscriber.
+    pub subscriber: String,
+    /// The event type.
+    pub event_type: String,
+    /// The stored event's id.
+    pub event_id: i64,
+    /// The aggregate.
+    pub aggregate: Uuid,
+    /// The event's `seq`.
+    pub seq: u32,
+    /// The attempt, from 1.
+    pub attempt: u32,
+    /// Whether the call succeeded.
+    pub ok: bool,
+    /// The metadata delivered with the event.
+    pub metadata: Metadata,
+}
+
+/// What a scripted handler call does instead of succeeding.
+#[derive(Debug, Clone)]
+pub enum Fail {
+    /// Returns a transient error.
+    Transient,
+    /// Returns a permanent error.
+    Permanent,
+    /// Panics.
+    Panic,
+    /// Signals `entered`, then waits for `release` before succeeding.
+    Block {
+        /// Notified when the handler starts.
+        entered: Arc<tokio::sync::Notify>,
+        /// The handler returns once this is notified.
+        release: Arc<tokio::sync::Notify>,
+    },
+}
+
+/// Scripted failures per (subscriber, aggregate, seq).
+type Script = HashMap<(String, Uuid, u32), VecDeque<Fail>>;
+
+/// Scripted failures and the log of calls, shared by every handler of a [`TestRouter`].
+#[derive(Clone, Default)]
+pub struct Probe {
+    script: Arc<Mutex<Script>>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+}
+
+impl Probe {
+    /// Makes the next calls of `subscriber` for (`aggregate`, `seq`) fail as listed, in order.
+    pub fn fail(
+        &self,
+        subscriber: &str,
+        aggregate: Uuid,
+        seq: u32,
+        fails: impl IntoIterator<Item = Fail>,
+    ) {
+        self.script
+            .lock()
+            .unwrap()
+            .entry((subscriber.to_owned(), aggregate, seq))
+            .or_default()
+            .extend(fails);
+    }
+
+    /// Every call so far.
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Successful calls of `subscriber`, in call order, as (aggregate, seq).
+    pub fn delivered_to(&self, subscriber: &str) -> Vec<(Uuid, u32)> {
+        self.seen()
+            .into_iter()
+            .filter(|s| s.subscriber == subscriber && s.ok)
+            .map(|s| (s.aggregate, s.seq))
+            .collect()
+    }
+
+    /// All calls of `subscriber`, successful or not, as (aggregate, seq, attempt).
+    pub fn calls_of(&self, subscriber: &str) -> Vec<(Uuid, u32, u32)> {
+        self.seen()
+            .into_iter()
+            .filter(|s| s.subscriber == subscriber)
+            .map(|s| (s.aggregate, s.seq, s.attempt))
+            .collect()
+    }
+
+    async fn handle(&self, seen: Seen) -> Result<(), HandlerError> {
+        let key = (seen.subscriber.clone(), seen.aggregate, seen.seq);
+        let fail = self
+            .script
+            .lock()
+            .unwrap()
+            .get_mut(&key)
+            .and_then(VecDeque::pop_front);
+        let result = match fail {
+            None => Ok(()),
+            Some(Fail::Transient) => Err(HandlerError::transient("scripted transient failure")),
+            Some(Fail::Permanent) => Err(HandlerError::permanent("scripted permanent failure")),
+            Some(Fail::Panic) => {
+                self.log(seen, false);
+                panic!("scripted panic");
+            }
+            Some(Fail::Block { entered, release }) => {
+                entered.notify_one();
+                release.notified().await;
+                Ok(())
+            }
+        };
+        self.log(seen, result.is_ok());
+        result
+    }
+
+    fn log(&self, mut seen: Seen, ok: bool) {
+        seen.ok = ok;
+        self.seen.lock().unwrap().push(seen);
+    }
+}
+
+type BoxFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'a>>;
+type Handler = Box<dyn Fn(&Decoded, &Delivery<'_>) -> BoxFuture<'static> + Send + Sync>;
+
+struct Route {
+    subscribers: Vec<&'static str>,
+    decode: fn(&StoredEvent) -> Result<Decoded, DecodeError>,
+    handlers: HashMap<&'static str, Handler>,
+}
+
+/// A router whose subscribers are registered in code: each logs to a [`Probe`] and follows its
+/// script.
+pub struct TestRouter {
+    probe: Probe,
+    routes: HashMap<&'static str, Route>,
+}
+
+/// Events a [`TestRouter`] can route: they carry an aggregate and a sequence number.
+pub trait Probed: OutboxEvent + Clone {
+    /// The event's `seq`.
+    fn seq(&self) -> u32;
+}
+
+impl Probed for Ping {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
+impl Probed for Pong {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
+impl TestRouter {
+    /// A router with no routes, logging to `probe`.
+    pub fn new(probe: &Probe) -> Self {
+        Self {
+            probe: probe.clone(),
+            routes: HashMap::new(),
+        }
+    }
+
+    /// Routes `E` to `subscriber`, after the subscribers routed before.
+    #[must_use]
+    pub fn route<E: Probed>(mut self, subscriber: &'static str) -> Self {
+        let probe = self.probe.clone();
+        let route = self.routes.entry(E::EVENT_TYPE).or_insert_with(|| Route {
+            subscribers: Vec::new(),
+            decode: Decoded::decode::<E>,
+            handlers: HashMap::new(),
+        });
+        route.subscribers.push(subscriber);
+        route.handlers.insert(
+            subscriber,
+            Box::new(move |decoded, delivery| {
+                let probe = probe.clone();
+                let event = decoded.downcast_ref::<E>().cloned();
+                let seen = event.map(|event| Seen {
+                    subscriber: delivery.subscriber().to_owned(),
+                    event_type: E::EVENT_TYPE.to_owned(),
+                    event_id: delivery.event().id,
+                    aggregate: event.aggregate_id(),
+                    seq: event.seq(),
+                    attempt: delivery.attempt(),
+                    ok: false,
+                    metadata: delivery.metadata().clone(),
+                });
+                Box::pin(async move {
+                    match seen {
+                        Some(seen) => probe.handle(seen).await,
+                        None => Err(HandlerError::permanent("event of an unexpected type")),
+                    }
+                })
+            }),
+        );
+        self
+    }
+}
+
+impl Router for TestRouter {
+    fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
+        self.routes
+            .get(event_type)
+            .map(|route| route.subscribers.as_slice())
+    }
+
+    fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError> {
+        match self.routes.get(event.event_type.as_str()) {
+            Some(route) => (route.decode)(event),
+            None => unreachable!("the relay decodes only routed event types"),
+        }
+    }
+
+    fn deliver<'a>(
+        &'a self,
+        subscriber: &'a str,
+        event: &'a Decoded,
+        delivery: &'a Delivery<'a>,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
+        let handler = self
+            .routes
+            .get(delivery.event().event_type.as_str())
+            .and_then(|route| route.handlers.get(subscriber));
+        match handler {
+            Some(handler) => handler(event, delivery),
+            None => Box::pin(async { Err(HandlerError::permanent("no such subscriber")) }),
+        }
+    }
+}
+
+/// Runs batches until `done` holds, pausing briefly when a batch finds nothing to do; panics
+/// after `timeout`. Returns the reports of the batches run.
+pub async fn run_until<S: Store, R: Router>(
+    relay: &Relay<S, R>,
+    timeout: Duration,
+    mut done: impl FnMut() -> bool,
+) -> Vec<BatchReport> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut reports = Vec::new();
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not reached within {timeout:?}; batches: {reports:?}"
+        );
+        let report = relay.run_once().await.expect("the store works");
+        if report.claimed == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        reports.push(report);
+    }
+    reports
+}
+
+/// A store that forwards to another and tells when a claim found nothing: after that, a relay
+/// only claims again when woken or when its poll interval passes.
+pub struct WatchedStore<S> {
+    inner: S,
+    /// Notified each time a claim returns no work.
+    pub idle: Arc<tokio::sync::Notify>,
+}
+
+impl<S> WatchedStore<S> {
+    /// Watches `inner`.
+    pub fn new(inner: S) -> Self {
+        Self {
+            inner,
+            idle: Arc::new(tokio::sync::Notify::new()),
+        }
+    }
+}
+
+impl<S: Store> Store for WatchedStore<S> {
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: Duration,
+    ) -> Result<Vec<outbox_core::store::Claim>, outbox_core::StoreError> {
+        let claims = self.inner.claim(limit, lease).await?;
+        if claims.is_empty() {
+            self.idle.notify_one();
+        }
+        Ok(claims)
+    }
+
+    async fn record(
+        &self,
+        outcomes: &outbox_core::store::Outcomes,
+    ) -> Result<(), outbox_core::StoreError> {
+        self.inner.record(outcomes).await
+    }
+
+    async fn requeue(
+        &self,
+        which: &outbox_core::store::Requeue,
+    ) -> Result<u64, outbox_core::StoreError> {
+        self.inner.requeue(which).await
+    }
+
+    async fn notified(&self) {
+        self.inner.notified().await;
+    }
+}

@@ -1,0 +1,136 @@
+//! A fresh PostgreSQL database per test, dropped when the test ends (also when it panics).
+
+use std::str::FromStr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
+
+/// Where the tests find PostgreSQL: `DATABASE_URL`, or the local server with trust auth.
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+/// Databases this harness creates are named `outbox_test_<unix seconds>_<random>`.
+const PREFIX: &str = "outbox_test_";
+/// Databases of runs older than this are dropped by the next run (left by a killed test).
+const STALE_AFTER_SECS: u64 = 2 * 3600;
+
+/// A database created for one test.
+pub struct TestDb {
+    name: String,
+    options: PgConnectOptions,
+    /// A pool on the test database.
+    pub pool: PgPool,
+}
+
+impl TestDb {
+    /// Creates an empty database and a pool on it.
+    pub async fn new() -> TestDb {
+        let admin = PgConnectOptions::from_str(&admin_url()).expect("DATABASE_URL is a URL");
+        let mut conn = admin
+            .connect()
+            .await
+            .unwrap_or_else(|e| panic!("cannot reach PostgreSQL at {}: {e}", admin_url()));
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap()
+            .as_secs();
+        drop_stale(&mut conn, now).await;
+        let name = format!("{PREFIX}{now}_{:016x}", fastrand::u64(..));
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!("CREATE DATABASE \"{name}\"")))
+            .execute(&mut conn)
+            .await
+            .expect("create the test database");
+        conn.close().await.ok();
+        let options = admin.database(&name);
+        let pool = PgPoolOptions::new()
+            .max_connections(5)
+            .connect_with(options.clone())
+            .await
+            .expect("connect to the test database");
+        TestDb {
+            name,
+            options,
+            pool,
+        }
+    }
+
+    /// Another pool on the test database whose sessions carry `application_name`, so that a test
+    /// can find (and kill) them.
+    pub async fn pool_named(&self, application_name: &str, max_connections: u32) -> PgPool {
+        PgPoolOptions::new()
+            .max_connections(max_connections)
+            .connect_with(self.options.clone().application_name(application_name))
+            .await
+            .expect("connect to the test database")
+    }
+
+    /// The database's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Terminates every session of the test database named `application_name`; returns how many.
+    pub async fn kill_sessions(&self, application_name: &str) -> i64 {
+        sqlx::query_scalar(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+             WHERE datname = $1 AND application_name = $2",
+        )
+        .bind(&self.name)
+        .bind(application_name)
+        .fetch_one(&self.pool)
+        .await
+        .expect("terminate sessions")
+    }
+}
+
+impl Drop for TestDb {
+    #[allow(clippy::print_stderr)] // A leftover database is worth a line in the test log.
+    fn drop(&mut self) {
+        let name = self.name.clone();
+        // Drop runs outside any async context we could await in; do it on a thread of its own.
+        let dropped = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .expect("a runtime for cleanup")
+                .block_on(async move {
+                    let mut conn = PgConnection::connect(&admin_url()).await?;
+                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+                    )))
+                    .execute(&mut conn)
+                    .await?;
+                    conn.close().await
+                })
+        })
+        .join();
+        if let Ok(Err(error)) = dropped {
+            eprintln!("could not drop test database {}: {error}", self.name);
+        }
+    }
+}
+
+async fn drop_stale(conn: &mut PgConnection, now: u64) {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT datname FROM pg_database WHERE datname LIKE 'outbox\\_test\\_%'",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap_or_default();
+    for name in names {
+        let created = name
+            .strip_prefix(PREFIX)
+            .and_then(|rest| rest.split('_').next())
+            .and_then(|secs| secs.parse::<u64>().ok());
+        if created.is_some_and(|created| created + STALE_AFTER_SECS < now) {
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+            )))
+            .execute(&mut *conn)
+            .await;
+        }
+    }
+}

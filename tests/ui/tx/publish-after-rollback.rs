@@ -1,0 +1,26 @@
+use outbox_core::OutboxEvent;
+use outbox_sqlx::Outbox;
+use serde::{Deserialize, Serialize};
+use sqlx::Postgres;
+use uuid::Uuid;
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+struct PaymentSucceeded {
+    #[outbox(aggregate_id)]
+    subscription_id: Uuid,
+}
+
+async fn keeps_the_rolled_back_transaction(outbox: Outbox<Postgres>, id: Uuid) {
+    let tx = outbox.begin().await.unwrap();
+    let mut rolled_back = tx.rollback().await.unwrap();
+    let _ = rolled_back.publish(&PaymentSucceeded { subscription_id: id }).await;
+}
+
+async fn reuses_the_moved_transaction(outbox: Outbox<Postgres>, id: Uuid) {
+    let mut tx = outbox.begin().await.unwrap();
+    tx.rollback().await.unwrap();
+    let _ = tx.publish(&PaymentSucceeded { subscription_id: id }).await;
+}
+
+fn main() {}
