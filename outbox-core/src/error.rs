@@ -79,6 +79,14 @@ pub enum DecodeError {
         current: u32,
     },
 
+    /// The event type is not in this build's catalog: it was written by newer code, or by code
+    /// that routes events this build does not.
+    #[error("event type `{event_type}` is not in this build's catalog")]
+    UnknownEventType {
+        /// The stored event type.
+        event_type: String,
+    },
+
     /// An upcaster returned an error.
     #[error("upcasting `{event_type}` from version {from} failed: {source}")]
     UpcastFailed {
@@ -90,6 +98,17 @@ pub enum DecodeError {
         #[source]
         source: BoxError,
     },
+}
+
+impl DecodeError {
+    /// Whether the payload may decode in a newer build (a newer version, an unknown event type):
+    /// such events are parked and looked at again, not dead-lettered.
+    pub fn may_decode_in_newer_build(&self) -> bool {
+        matches!(
+            self,
+            DecodeError::NewerVersion { .. } | DecodeError::UnknownEventType { .. }
+        )
+    }
 }
 
 /// An event could not be published.

@@ -59,6 +59,11 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// Upcasters run on the JSON of `data`, oldest first, and must form an unbroken chain that ends at
 /// `version - 1`: an event at version 3 may declare `from = 2` alone, or `from = 1` and `from = 2`,
 /// but not `from = 1` alone. See [`Upcaster`] for the function's signature.
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an outbox event",
+    label = "not an `OutboxEvent`",
+    note = "derive it: `#[derive(Serialize, Deserialize, OutboxEvent)]` with `#[outbox(aggregate_type = \"...\")]`"
+)]
 pub trait OutboxEvent: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The kind of aggregate this event belongs to, such as `"subscription"`.
     const AGGREGATE_TYPE: &'static str;

@@ -71,7 +71,10 @@ pub use event::{AggregateId, BoxError, OutboxEvent, Timestamp, Upcaster};
 pub use publish::Publish;
 pub use relay::{BatchReport, Relay, RelayConfig};
 pub use retry::RetryPolicy;
-pub use routing::{Decoded, Delivery, HandlerError, Router};
+pub use routing::{
+    Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, RoutedBy, Router, Routes,
+    Subscriber,
+};
 pub use store::{Store, StoredEvent};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct with named fields.
@@ -79,6 +82,25 @@ pub use store::{Store, StoredEvent};
 /// See the [trait's documentation](trait@OutboxEvent#the-derives-attributes) for its attributes.
 #[cfg(feature = "derive")]
 pub use outbox_derive::OutboxEvent;
+
+/// Declares a subscriber: the events it takes, each handled by a [`Handle`] impl.
+///
+/// `#[subscriber(events = [A, B], name = "licensing")]` on a struct or enum implements
+/// [`Subscriber`]. `name` defaults to the type's name in snake case. See the
+/// [routing guide](crate::routing_guide).
+#[cfg(feature = "derive")]
+pub use outbox_derive::subscriber;
+
+/// Declares the application's router: its event catalog and its subscribers.
+///
+/// `#[router(events = [A, B])]` on a struct whose fields are subscribers (and `#[observer]`
+/// fields) implements [`Router`] and [`Routes`]. See the [routing guide](crate::routing_guide).
+#[cfg(feature = "derive")]
+pub use outbox_derive::router;
+
+#[doc = include_str!("../docs/routing_guide.md")]
+#[cfg(feature = "derive")]
+pub mod routing_guide {}
 
 #[doc(hidden)]
 #[path = "private.rs"]

@@ -8,11 +8,13 @@ use crate::event::OutboxEvent;
 
 /// Something that publishes events atomically with the domain change it belongs to.
 ///
-/// It is the port a domain service writes against: in production it is a live outbox transaction
-/// (`outbox_sqlx::OutboxTx` in the `Active` state), whose events commit or roll back with the rest
-/// of the transaction; in unit tests it can be a publisher that records what it is given. Pools,
-/// bare connections and finished transactions do not implement it: there an event could outlive a
-/// rolled-back change, or be lost after a committed one.
+/// It is the port a domain service writes against, one bound per event type it publishes
+/// (`impl Publish<PaymentSucceeded> + Publish<PaymentFailedFinal>`). In production it is a live
+/// outbox transaction (`outbox_sqlx::OutboxTx` in the `Active` state), whose events commit or roll
+/// back with the rest of the transaction, and which publishes only the events its router routes;
+/// in unit tests it can be a publisher that records what it is given. Pools, bare connections and
+/// finished transactions do not implement it: there an event could outlive a rolled-back change,
+/// or be lost after a committed one.
 ///
 /// ```
 /// use outbox_core::{EncodeError, Metadata, OutboxEvent, Publish, PublishError, encode};
@@ -24,7 +26,7 @@ use crate::event::OutboxEvent;
 ///
 /// /// A domain service that depends on the port only.
 /// async fn start_subscription(
-///     events: &mut impl Publish,
+///     events: &mut impl Publish<SubscriptionStarted>,
 ///     subscription_id: Uuid,
 /// ) -> Result<(), PublishError> {
 ///     events.publish(&SubscriptionStarted { subscription_id }).await
@@ -34,22 +36,21 @@ use crate::event::OutboxEvent;
 /// #[derive(Default)]
 /// struct Recorder(Vec<String>);
 ///
-/// impl Publish for Recorder {
-///     async fn publish<E: OutboxEvent>(&mut self, event: &E) -> Result<(), PublishError> {
+/// impl<E: OutboxEvent> Publish<E> for Recorder {
+///     async fn publish(&mut self, event: &E) -> Result<(), PublishError> {
 ///         self.publish_with(event, &Metadata::new()).await
 ///     }
-///     async fn publish_with<E: OutboxEvent>(
-///         &mut self,
-///         event: &E,
-///         metadata: &Metadata,
-///     ) -> Result<(), PublishError> {
+///     async fn publish_with(&mut self, event: &E, metadata: &Metadata) -> Result<(), PublishError> {
 ///         self.0.push(encode(event, metadata)?);
 ///         Ok(())
 ///     }
-///     async fn publish_all<'e, E: OutboxEvent>(
+///     async fn publish_all<'e>(
 ///         &mut self,
 ///         events: impl IntoIterator<Item = &'e E> + Send,
-///     ) -> Result<(), PublishError> {
+///     ) -> Result<(), PublishError>
+///     where
+///         E: 'e,
+///     {
 ///         let payloads: Result<Vec<_>, EncodeError> =
 ///             events.into_iter().map(|e| encode(e, &Metadata::new())).collect();
 ///         self.0.extend(payloads?);
@@ -68,23 +69,22 @@ use crate::event::OutboxEvent;
     label = "not a live outbox transaction",
     note = "events are published inside a transaction, so that they commit or roll back with the domain change: begin one with `outbox.begin().await?` and publish on it"
 )]
-pub trait Publish: Send {
+pub trait Publish<E: OutboxEvent>: Send {
     /// Publishes one event with the publisher's default metadata.
-    fn publish<E: OutboxEvent>(
-        &mut self,
-        event: &E,
-    ) -> impl Future<Output = Result<(), PublishError>> + Send;
+    fn publish(&mut self, event: &E) -> impl Future<Output = Result<(), PublishError>> + Send;
 
     /// Publishes one event with the given metadata.
-    fn publish_with<E: OutboxEvent>(
+    fn publish_with(
         &mut self,
         event: &E,
         metadata: &Metadata,
     ) -> impl Future<Output = Result<(), PublishError>> + Send;
 
-    /// Publishes several events of one type, in order, with the publisher's default metadata.
-    fn publish_all<'e, E: OutboxEvent>(
+    /// Publishes several events, in order, with the publisher's default metadata.
+    fn publish_all<'e>(
         &mut self,
         events: impl IntoIterator<Item = &'e E> + Send,
-    ) -> impl Future<Output = Result<(), PublishError>> + Send;
+    ) -> impl Future<Output = Result<(), PublishError>> + Send
+    where
+        E: 'e;
 }

@@ -10,7 +10,7 @@ use futures_util::FutureExt;
 use tokio::time::Instant;
 use uuid::Uuid;
 
-use crate::error::{ConfigError, DecodeError, StoreError};
+use crate::error::{ConfigError, StoreError};
 use crate::retry::RetryPolicy;
 use crate::routing::{Decoded, Delivery, HandlerError, Router};
 use crate::store::{
@@ -360,7 +360,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             Err(error) => {
                 state.stalled.insert(event.aggregate_id);
                 let reason = truncate(error.to_string());
-                let outcome = if matches!(error, DecodeError::NewerVersion { .. }) {
+                let outcome = if error.may_decode_in_newer_build() {
                     EventOutcome::Parked {
                         reason,
                         retry_in: self.config.park_delay,
@@ -420,7 +420,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             )
         } else {
             match self.router.decode(event) {
-                Err(error @ DecodeError::NewerVersion { .. }) => {
+                Err(error) if error.may_decode_in_newer_build() => {
                     self.park_delivery(attempts, error.to_string())
                 }
                 Err(error) => DeliveryOutcome::Dead {

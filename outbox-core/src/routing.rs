@@ -1,9 +1,13 @@
-//! What the relay needs from the application: which subscribers take an event, and how to hand
-//! it to each.
+//! Routing: which subscribers take an event, and how to hand it to each.
+//!
+//! Applications declare subscribers with `#[subscriber(events = [...])]` and their router with
+//! `#[router(events = [...])]`; see the [routing guide](crate::routing_guide). The traits here are
+//! what those macros implement and what the relay calls.
 
 use std::any::Any;
 use std::fmt;
 use std::future::Future;
+use std::pin::Pin;
 
 use crate::envelope::{Metadata, RawEnvelope};
 use crate::error::DecodeError;
@@ -12,6 +16,7 @@ use crate::store::StoredEvent;
 
 /// The application's routing table, as the relay sees it.
 ///
+/// `#[router(events = [...])]` implements it; see the [routing guide](crate::routing_guide).
 /// The relay asks for the subscribers of an event type, decodes the event once with
 /// [`decode`](Router::decode), then calls [`deliver`](Router::deliver) for each subscriber in
 /// the order [`subscribers`](Router::subscribers) gives.
@@ -50,7 +55,7 @@ impl Decoded {
     }
 
     /// The event, if it is an `E`.
-    pub fn downcast_ref<E: OutboxEvent>(&self) -> Option<&E> {
+    pub fn downcast_ref<E: Any>(&self) -> Option<&E> {
         self.event.downcast_ref()
     }
 
@@ -194,3 +199,130 @@ impl fmt::Display for HandlerError {
         write!(f, "{kind} error: {}", self.error)
     }
 }
+
+/// The future a subscriber's delivery returns.
+pub type DeliverFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'a>>;
+
+/// A subscriber: a type that takes the events listed in its `#[subscriber(events = [...])]`,
+/// with a [`Handle`] impl for each.
+///
+/// Implemented by the attribute macro; see the [routing guide](crate::routing_guide).
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not a subscriber",
+    label = "a router's field must be a subscriber or an `#[observer]`",
+    note = "mark the type `#[subscriber(events = [...])]`, or mark the field `#[observer]` if it takes every event"
+)]
+pub trait Subscriber: Send + Sync + 'static {
+    /// The name the subscriber's delivery state is stored under. Renaming it orphans its pending
+    /// deliveries.
+    const NAME: &'static str;
+    /// The event types it takes.
+    const EVENTS: &'static [&'static str];
+
+    /// Hands a decoded event to the matching [`Handle`] impl.
+    fn deliver<'a>(&'a self, event: &'a Decoded, delivery: &'a Delivery<'a>) -> DeliverFuture<'a>;
+}
+
+/// How a subscriber handles one event type.
+///
+/// ```
+/// use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, subscriber};
+/// # use serde::{Deserialize, Serialize};
+/// # use uuid::Uuid;
+/// # #[derive(Serialize, Deserialize, OutboxEvent)]
+/// # #[outbox(aggregate_type = "bot")]
+/// # struct BotInstalled { #[outbox(aggregate_id)] bot_id: Uuid }
+///
+/// #[subscriber(events = [BotInstalled])]
+/// struct Licensing;
+///
+/// impl Handle<BotInstalled> for Licensing {
+///     async fn handle(&self, event: &BotInstalled, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+///         if delivery.attempt() > 3 {
+///             return Err(HandlerError::permanent(format!("bot {} keeps failing", event.bot_id)));
+///         }
+///         Ok(())
+///     }
+/// }
+///
+/// // A handler is a plain async method: call it directly in a unit test.
+/// # use outbox_core::{Metadata, StoredEvent};
+/// let event = BotInstalled { bot_id: Uuid::nil() };
+/// let metadata = Metadata::new();
+/// let stored = StoredEvent {
+///     id: 1,
+///     aggregate_type: "bot".into(),
+///     aggregate_id: Uuid::nil(),
+///     event_type: "BotInstalled".into(),
+///     payload: outbox_core::encode(&event, &metadata)?,
+///     occurred_at: time::OffsetDateTime::UNIX_EPOCH,
+/// };
+/// let delivery = Delivery::new(&stored, &metadata, "licensing", 1);
+/// let runtime = tokio::runtime::Builder::new_current_thread().build()?;
+/// assert!(runtime.block_on(Licensing.handle(&event, &delivery)).is_ok());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "subscriber `{Self}` takes `{E}` but does not handle it",
+    label = "`{Self}` has no `Handle<{E}>` impl",
+    note = "implement it: `impl Handle<{E}> for {Self} {{ async fn handle(&self, event: &{E}, delivery: &Delivery<'_>) -> Result<(), HandlerError> {{ ... }} }}`, or remove `{E}` from `events`"
+)]
+pub trait Handle<E>: Send + Sync {
+    /// Handles one delivery of `event`. Deliveries are at least once: make it idempotent.
+    fn handle(
+        &self,
+        event: &E,
+        delivery: &Delivery<'_>,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// A subscriber that takes every event of the catalog, undecoded, such as an audit log. It does
+/// not count as routing: every catalog event still needs a [`Subscriber`].
+///
+/// ```
+/// use outbox_core::{Delivery, HandlerError, Observer};
+///
+/// struct Audit;
+///
+/// impl Observer for Audit {
+///     const NAME: &'static str = "audit";
+///
+///     async fn observe(&self, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+///         let stored = delivery.event();
+///         println!("event {} ({}): {}", stored.id, stored.event_type, stored.payload);
+///         Ok(())
+///     }
+/// }
+/// # let _ = Audit;
+/// ```
+#[diagnostic::on_unimplemented(
+    message = "`{Self}` is not an observer",
+    label = "an `#[observer]` field takes every event",
+    note = "implement `Observer` for it: a `NAME` and `async fn observe(&self, delivery: &Delivery<'_>) -> Result<(), HandlerError>`"
+)]
+pub trait Observer: Send + Sync + 'static {
+    /// The name the observer's delivery state is stored under.
+    const NAME: &'static str;
+
+    /// Handles one delivery of any event; the raw event is `delivery.event()`.
+    fn observe(
+        &self,
+        delivery: &Delivery<'_>,
+    ) -> impl Future<Output = Result<(), HandlerError>> + Send;
+}
+
+/// Marks that a router routes `E` to at least one subscriber. `#[router]` implements it for each
+/// event of its catalog; publishing `E` in a transaction tied to the router requires it.
+#[diagnostic::on_unimplemented(
+    message = "`{E}` is not in the event catalog of router `{Self}`",
+    label = "`{Self}` does not route `{E}`",
+    note = "add `{E}` to `#[router(events = [...])]` of `{Self}` and to a subscriber's `events`: only events the router routes can be published or subscribed to"
+)]
+pub trait Routes<E> {}
+
+/// Implemented for each event a router `R` routes: the bound on publishing `E` in a transaction
+/// tied to `R`. It is [`Routes`] seen from the event's side, so that the compiler takes the event
+/// type from the value published, and an unrouted event is reported as `R: Routes<E>`.
+pub trait RoutedBy<R> {}
+
+impl<E, R: Routes<E>> RoutedBy<R> for E {}

@@ -1,10 +1,11 @@
 //! Parsing of `#[outbox(...)]` attributes: keys, duplicates and the kind of each value. What the
 //! values mean is checked in `valid.rs`.
 
-use proc_macro2::{TokenStream, TokenTree};
+use proc_macro2::{Span, TokenStream, TokenTree};
 use quote::ToTokens;
 use syn::meta::ParseNestedMeta;
-use syn::{Attribute, LitInt, LitStr, Path, Token};
+use syn::punctuated::Punctuated;
+use syn::{Attribute, LitInt, LitStr, Path, Token, Type, parse_quote};
 
 use crate::ctxt::Errors;
 
@@ -216,24 +217,41 @@ fn upcast(meta: &ParseNestedMeta<'_>, errors: &mut Errors) -> syn::Result<Option
 }
 
 /// The keys met so far in one attribute list (across all `#[outbox(...)]` of one item).
-#[derive(Default)]
-struct Seen(Vec<String>);
+pub(crate) struct Seen {
+    /// What the keys are called in errors, such as "outbox attribute".
+    what: &'static str,
+    keys: Vec<String>,
+}
+
+impl Default for Seen {
+    fn default() -> Self {
+        Self::new("outbox attribute")
+    }
+}
 
 impl Seen {
+    /// Keys of the attribute `what`.
+    pub(crate) fn new(what: &'static str) -> Self {
+        Self {
+            what,
+            keys: Vec::new(),
+        }
+    }
+
     /// Whether `key` is met for the first time; records a duplicate-key error if not.
-    fn first(&mut self, key: &Path, errors: &mut Errors) -> bool {
+    pub(crate) fn first(&mut self, key: &Path, errors: &mut Errors) -> bool {
         let name = key_name(key);
         if self.contains(&name) {
-            errors.spanned(key, format!("duplicate outbox attribute `{name}`"));
+            errors.spanned(key, format!("duplicate {} `{name}`", self.what));
             false
         } else {
-            self.0.push(name);
+            self.keys.push(name);
             true
         }
     }
 
     fn contains(&self, name: &str) -> bool {
-        self.0.iter().any(|seen| seen == name)
+        self.keys.iter().any(|seen| seen == name)
     }
 }
 
@@ -260,7 +278,7 @@ fn value_tokens(
     Ok(Some(tokens))
 }
 
-fn string_value(
+pub(crate) fn string_value(
     meta: &ParseNestedMeta<'_>,
     example: &str,
     errors: &mut Errors,
@@ -281,7 +299,7 @@ fn string_value(
         .ok())
 }
 
-fn int_value(
+pub(crate) fn int_value(
     meta: &ParseNestedMeta<'_>,
     example: &str,
     errors: &mut Errors,
@@ -303,7 +321,7 @@ fn int_value(
 }
 
 /// A path, written bare (`with = a::b`) or quoted (`crate = "a::b"`).
-fn path_value(
+pub(crate) fn path_value(
     meta: &ParseNestedMeta<'_>,
     example: &str,
     errors: &mut Errors,
@@ -345,4 +363,98 @@ fn key_name(key: &Path) -> String {
         Some(ident) => ident.to_string(),
         None => key.to_token_stream().to_string().replace(' ', ""),
     }
+}
+
+/// `key = [A, B, C]`: a bracketed list of types, with the span of the brackets.
+pub(crate) fn type_list(
+    meta: &ParseNestedMeta<'_>,
+    example: &str,
+    errors: &mut Errors,
+) -> syn::Result<Option<(Span, Vec<Type>)>> {
+    let Some(tokens) = value_tokens(meta, example, errors)? else {
+        return Ok(None);
+    };
+    let parsed = syn::parse::Parser::parse2(
+        |input: syn::parse::ParseStream<'_>| {
+            let content;
+            let brackets = syn::bracketed!(content in input);
+            let types = Punctuated::<Type, Token![,]>::parse_terminated(&content)?;
+            Ok((brackets.span.join(), types.into_iter().collect()))
+        },
+        tokens.clone(),
+    );
+    Ok(parsed
+        .map_err(|_| {
+            errors.spanned(
+                &tokens,
+                format!(
+                    "`{}` must be a list of types in brackets, like `{example}`",
+                    key_name(&meta.path)
+                ),
+            );
+        })
+        .ok())
+}
+
+/// Records an unknown key and skips its value.
+pub(crate) fn unknown_key(
+    meta: &ParseNestedMeta<'_>,
+    what: &str,
+    expected: &str,
+    errors: &mut Errors,
+) -> syn::Result<()> {
+    errors.spanned(
+        &meta.path,
+        format!(
+            "unknown {what} `{}`: expected {expected}",
+            key_name(&meta.path)
+        ),
+    );
+    skip_value(meta)
+}
+
+/// A name stored in the database (an event type, an aggregate type, a subscriber): not empty, no
+/// whitespace or control characters.
+pub(crate) fn check_name(lit: &LitStr, key: &str, errors: &mut Errors) -> Option<String> {
+    let value = lit.value();
+    if value.is_empty() {
+        errors.spanned(lit, format!("`{key}` must not be empty"));
+        None
+    } else if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        errors.spanned(
+            lit,
+            format!("`{key}` must not contain whitespace or control characters"),
+        );
+        None
+    } else {
+        Some(value)
+    }
+}
+
+/// The path of the runtime crate: the given one, or `::outbox_core`.
+pub(crate) fn krate_or_default(krate: Option<&Path>) -> Path {
+    krate
+        .cloned()
+        .unwrap_or_else(|| parse_quote!(::outbox_core))
+}
+
+/// Records an error on each type listed a second time; `true` when there is none.
+pub(crate) fn reject_duplicate_types(
+    types: &[Type],
+    what: &str,
+    list: &str,
+    errors: &mut Errors,
+) -> bool {
+    let mut seen: Vec<String> = Vec::new();
+    let mut ok = true;
+    for ty in types {
+        let text = crate::subscriber::type_text(ty);
+        if seen.contains(&text) {
+            errors.spanned(ty, format!("{what} `{text}` is listed twice in {list}"));
+            ok = false;
+        } else {
+            seen.push(text);
+        }
+    }
+    ok
 }

@@ -3,9 +3,10 @@
 use std::collections::BTreeSet;
 
 use syn::ext::IdentExt;
-use syn::{Ident, LitInt, LitStr, Path, Type, parse_quote};
+use syn::{Ident, LitInt, Path, Type};
 
 use crate::ast::{Event, Field};
+use crate::attr;
 use crate::ctxt::Errors;
 
 /// A checked event: everything `expand.rs` needs.
@@ -22,11 +23,7 @@ pub(crate) struct Checked<'a> {
 
 /// The path of the runtime crate, `::outbox_core` unless `#[outbox(crate = "...")]` says otherwise.
 pub(crate) fn krate(event: &Event<'_>) -> Path {
-    event
-        .attrs
-        .krate
-        .clone()
-        .unwrap_or_else(|| parse_quote!(::outbox_core))
+    attr::krate_or_default(event.attrs.krate.as_ref())
 }
 
 /// Checks the event; `None` if any check failed (the errors are recorded).
@@ -35,7 +32,7 @@ pub(crate) fn check<'a>(event: &'a Event<'a>, errors: &mut Errors) -> Option<Che
     let attrs = &event.attrs;
 
     let aggregate_type = match &attrs.aggregate_type {
-        Some(lit) => name(lit, "aggregate_type", errors),
+        Some(lit) => attr::check_name(lit, "aggregate_type", errors),
         None => {
             errors.spanned(
                 ident,
@@ -46,7 +43,7 @@ pub(crate) fn check<'a>(event: &'a Event<'a>, errors: &mut Errors) -> Option<Che
         }
     };
     let event_type = match &attrs.event_type {
-        Some(lit) => name(lit, "event_type", errors),
+        Some(lit) => attr::check_name(lit, "event_type", errors),
         None => Some(ident.unraw().to_string()),
     };
     let version = match &attrs.version {
@@ -73,23 +70,6 @@ pub(crate) fn check<'a>(event: &'a Event<'a>, errors: &mut Errors) -> Option<Che
         aggregate_id: aggregate_id?,
         occurred_at: occurred_at.ok()?,
     })
-}
-
-/// An `aggregate_type` or `event_type` value: not empty, no whitespace or control characters.
-fn name(lit: &LitStr, key: &str, errors: &mut Errors) -> Option<String> {
-    let value = lit.value();
-    if value.is_empty() {
-        errors.spanned(lit, format!("`{key}` must not be empty"));
-        None
-    } else if value.chars().any(|c| c.is_whitespace() || c.is_control()) {
-        errors.spanned(
-            lit,
-            format!("`{key}` must not contain whitespace or control characters"),
-        );
-        None
-    } else {
-        Some(value)
-    }
 }
 
 /// A version number: a `u32` literal of at least 1.

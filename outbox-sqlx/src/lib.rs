@@ -9,30 +9,50 @@
 //!   [`outbox_core::Relay`] over it.
 //!
 //! ```no_run
-//! use outbox_core::{OutboxEvent, RelayConfig};
+//! use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, RelayConfig, router, subscriber};
 //! use outbox_sqlx::Outbox;
-//! # use serde::{Deserialize, Serialize};
-//! # use uuid::Uuid;
-//! # #[derive(Serialize, Deserialize, OutboxEvent)]
-//! # #[outbox(aggregate_type = "subscription")]
-//! # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+//! use serde::{Deserialize, Serialize};
+//! use sqlx::Postgres;
+//! use uuid::Uuid;
 //!
-//! # #[allow(dead_code)] // needs a router and a server
-//! async fn start(router: impl outbox_core::Router) -> Result<(), Box<dyn std::error::Error>> {
-//!     let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
-//!     let outbox = Outbox::new(pool);
-//!     outbox.migrate().await?;
-//!
-//!     // Deliver in the background until shutdown.
-//!     let relay = outbox.relay(router, RelayConfig::default())?;
-//!     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
-//!
-//!     let mut tx = outbox.begin().await?;
-//!     tx.publish(&PaymentSucceeded { subscription_id: Uuid::nil() }).await?;
-//!     tx.commit().await?;
-//! #     worker.abort();
-//! #     Ok(())
+//! #[derive(Serialize, Deserialize, OutboxEvent)]
+//! #[outbox(aggregate_type = "subscription")]
+//! struct PaymentSucceeded {
+//!     #[outbox(aggregate_id)]
+//!     subscription_id: Uuid,
 //! }
+//!
+//! #[subscriber(events = [PaymentSucceeded])]
+//! struct Licensing;
+//!
+//! impl Handle<PaymentSucceeded> for Licensing {
+//!     async fn handle(&self, event: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> {
+//!         println!("extend the license of {}", event.subscription_id);
+//!         Ok(())
+//!     }
+//! }
+//!
+//! #[router(events = [PaymentSucceeded])]
+//! struct App {
+//!     licensing: Licensing,
+//! }
+//!
+//! # #[tokio::main]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
+//! let outbox: Outbox<Postgres, App> = Outbox::new(pool);
+//! outbox.migrate().await?;
+//!
+//! // Deliver in the background until shutdown.
+//! let relay = outbox.relay(App { licensing: Licensing }, RelayConfig::default())?;
+//! let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+//!
+//! let mut tx = outbox.begin().await?;
+//! tx.publish(&PaymentSucceeded { subscription_id: Uuid::nil() }).await?;
+//! tx.commit().await?;
+//! # worker.abort();
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! # Tables

@@ -1,5 +1,6 @@
 //! The outbox handle: migrations, transactions, and the store the relay reads.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 
 use outbox_core::store::{Claim, Outcomes, Requeue};
@@ -12,22 +13,40 @@ use crate::error::Error;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 
-/// The outbox of one database: begins transactions that can publish, runs the migrations, and
-/// gives the relay its store.
+/// The outbox of one database, for the application whose router is `R`: begins transactions
+/// that can publish the events `R` routes, runs the migrations, and gives the relay its store.
 ///
 /// Cheap to clone; clones share the pool and the in-process wake-up of the relay.
 ///
 /// ```no_run
-/// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
+/// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+/// # use serde::{Deserialize, Serialize};
+/// # use uuid::Uuid;
+/// # #[derive(Serialize, Deserialize, OutboxEvent)]
+/// # #[outbox(aggregate_type = "bot")]
+/// # struct BotInstalled { #[outbox(aggregate_id)] bot_id: Uuid }
+/// # #[subscriber(events = [BotInstalled])]
+/// # struct Licensing;
+/// # impl Handle<BotInstalled> for Licensing {
+/// #     async fn handle(&self, _: &BotInstalled, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+/// # }
 /// use outbox_sqlx::Outbox;
+/// use sqlx::Postgres;
 ///
+/// #[router(events = [BotInstalled])]
+/// struct App {
+///     licensing: Licensing,
+/// }
+///
+/// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
 /// let pool = sqlx::PgPool::connect("postgres://postgres@127.0.0.1/app").await?;
-/// let outbox = Outbox::new(pool);
+/// let outbox: Outbox<Postgres, App> = Outbox::new(pool);
 /// outbox.migrate().await?;
 /// # Ok(()) }
 /// ```
-pub struct Outbox<DB: Backend> {
+pub struct Outbox<DB: Backend, R> {
     inner: Arc<Inner<DB>>,
+    router: PhantomData<fn() -> R>,
 }
 
 struct Inner<DB: Backend> {
@@ -39,15 +58,16 @@ struct Inner<DB: Backend> {
     wake: Notify,
 }
 
-impl<DB: Backend> Clone for Outbox<DB> {
+impl<DB: Backend, R> Clone for Outbox<DB, R> {
     fn clone(&self) -> Self {
         Self {
             inner: Arc::clone(&self.inner),
+            router: PhantomData,
         }
     }
 }
 
-impl<DB: Backend> std::fmt::Debug for Outbox<DB> {
+impl<DB: Backend, R> std::fmt::Debug for Outbox<DB, R> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Outbox")
             .field("names", &self.inner.names)
@@ -55,7 +75,7 @@ impl<DB: Backend> std::fmt::Debug for Outbox<DB> {
     }
 }
 
-impl<DB: Backend> Outbox<DB> {
+impl<DB: Backend, R> Outbox<DB, R> {
     /// The outbox in the default tables, `events.outbox` and its companions.
     pub fn new(pool: Pool<DB>) -> Self {
         Self::with_names(pool, TableNames::default())
@@ -70,6 +90,7 @@ impl<DB: Backend> Outbox<DB> {
                 names,
                 wake: Notify::new(),
             }),
+            router: PhantomData,
         }
     }
 
@@ -81,7 +102,7 @@ impl<DB: Backend> Outbox<DB> {
 
     /// Begins a transaction on the outbox's pool. Run the domain change on it, publish the events
     /// the change causes, then commit: both are stored, or neither.
-    pub async fn begin(&self) -> Result<OutboxTx<'static, DB>, Error> {
+    pub async fn begin(&self) -> Result<OutboxTx<'static, DB, R>, Error> {
         let tx = self.inner.pool.begin().await?;
         Ok(self.wrap(tx))
     }
@@ -89,23 +110,26 @@ impl<DB: Backend> Outbox<DB> {
     /// Publishes on a transaction that already exists. To publish inside a transaction you only
     /// borrow, wrap a nested one: `outbox.wrap(tx.begin().await?)` (a savepoint in the outer
     /// transaction).
-    pub fn wrap<'c>(&self, tx: Transaction<'c, DB>) -> OutboxTx<'c, DB> {
+    pub fn wrap<'c>(&self, tx: Transaction<'c, DB>) -> OutboxTx<'c, DB, R> {
         OutboxTx::new(self.clone(), tx)
     }
 
     /// The store the relay claims events from.
     pub fn store(&self) -> SqlStore<DB> {
         SqlStore {
-            outbox: self.clone(),
+            inner: Arc::clone(&self.inner),
         }
     }
 
     /// A relay over this outbox, woken at once by commits made through this handle.
-    pub fn relay<R: Router>(
+    pub fn relay(
         &self,
         router: R,
         config: RelayConfig,
-    ) -> Result<Relay<SqlStore<DB>, R>, ConfigError> {
+    ) -> Result<Relay<SqlStore<DB>, R>, ConfigError>
+    where
+        R: Router,
+    {
         Relay::new(self.store(), router, config)
     }
 
@@ -129,7 +153,7 @@ impl<DB: Backend> Outbox<DB> {
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
-        Ok(DB::requeue(self.pool(), self.queries(), which).await?)
+        self.store().requeue_rows(which).await
     }
 
     /// The pool.
@@ -151,10 +175,31 @@ impl<DB: Backend> Outbox<DB> {
     }
 }
 
-/// The relay's [`Store`] over an [`Outbox`].
-#[derive(Clone, Debug)]
+/// The relay's [`Store`] over an [`Outbox`]'s tables.
 pub struct SqlStore<DB: Backend> {
-    outbox: Outbox<DB>,
+    inner: Arc<Inner<DB>>,
+}
+
+impl<DB: Backend> Clone for SqlStore<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: Arc::clone(&self.inner),
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for SqlStore<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("names", &self.inner.names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> SqlStore<DB> {
+    async fn requeue_rows(&self, which: &Requeue) -> Result<u64, Error> {
+        Ok(DB::requeue(&self.inner.pool, &self.inner.queries, which).await?)
+    }
 }
 
 impl<DB: Backend> Store for SqlStore<DB> {
@@ -163,22 +208,22 @@ impl<DB: Backend> Store for SqlStore<DB> {
         limit: u32,
         lease: std::time::Duration,
     ) -> Result<Vec<Claim>, StoreError> {
-        DB::claim(self.outbox.pool(), self.outbox.queries(), limit, lease)
+        DB::claim(&self.inner.pool, &self.inner.queries, limit, lease)
             .await
             .map_err(StoreError::new)
     }
 
     async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
-        DB::record(self.outbox.pool(), self.outbox.queries(), outcomes)
+        DB::record(&self.inner.pool, &self.inner.queries, outcomes)
             .await
             .map_err(StoreError::new)
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        self.outbox.requeue(which).await.map_err(StoreError::new)
+        self.requeue_rows(which).await.map_err(StoreError::new)
     }
 
     async fn notified(&self) {
-        self.outbox.inner.wake.notified().await;
+        self.inner.wake.notified().await;
     }
 }

@@ -1,7 +1,8 @@
 //! The typestate transaction: the only value that can publish.
 //!
-//! An [`OutboxTx<'c, DB, S>`](OutboxTx) is a database transaction of `DB` that borrows its
-//! connection for `'c` (`'static` when it owns a pooled connection), in the state `S`:
+//! An [`OutboxTx<'c, DB, R, S>`](OutboxTx) is a database transaction of `DB` that borrows its
+//! connection for `'c` (`'static` when it owns a pooled connection), publishes the events that
+//! the application's router `R` routes, and is in the state `S`:
 //!
 //! - [`Active`]: open. Run domain SQL on it (it dereferences to the connection), publish events,
 //!   then [`commit`](OutboxTx::commit) or [`rollback`](OutboxTx::rollback), which consume it.
@@ -9,16 +10,18 @@
 //! - [`Committed`], [`RolledBack`]: what `commit` and `rollback` return. They can tell how many
 //!   events were published, and nothing else: publishing on them does not compile.
 //!
-//! Publishing needs the state to implement [`CanPublish`], which only [`Active`] does. Pools,
-//! bare connections and bare sqlx transactions cannot publish at all, so an event is always stored
-//! in the same transaction as the domain change it describes.
+//! Publishing `E` needs the state to implement [`CanPublish`], which only [`Active`] does, and the
+//! router to implement [`Routes<E>`](outbox_core::Routes), which `#[router]` does for each event of its
+//! catalog. Pools, bare connections and bare sqlx transactions cannot publish at all, so an event
+//! is always stored in the same transaction as the domain change it describes, and every stored
+//! event has a subscriber.
 
 use std::future::Future;
 use std::marker::PhantomData;
 use std::ops::{Deref, DerefMut};
 use std::pin::Pin;
 
-use outbox_core::{Metadata, OutboxEvent, Publish, PublishError, encode};
+use outbox_core::{Metadata, OutboxEvent, Publish, PublishError, RoutedBy, encode};
 use sqlx::{Database, Pool, Transaction};
 
 use crate::backend::{Backend, NewEvent};
@@ -88,14 +91,22 @@ mod sealed {
 /// SQL on it through `&mut *tx`, publish, then commit:
 ///
 /// ```no_run
-/// # use outbox_core::OutboxEvent;
+/// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
 /// # use serde::{Deserialize, Serialize};
 /// # use uuid::Uuid;
 /// # #[derive(Serialize, Deserialize, OutboxEvent)]
 /// # #[outbox(aggregate_type = "subscription")]
 /// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+/// # #[subscriber(events = [PaymentSucceeded])]
+/// # struct Licensing;
+/// # impl Handle<PaymentSucceeded> for Licensing {
+/// #     async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+/// # }
+/// # #[router(events = [PaymentSucceeded])]
+/// # struct App { licensing: Licensing }
 /// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
-/// # let outbox = outbox_sqlx::Outbox::new(sqlx::PgPool::connect_lazy("postgres://").unwrap());
+/// # let outbox: outbox_sqlx::Outbox<sqlx::Postgres, App> =
+/// #     outbox_sqlx::Outbox::new(sqlx::PgPool::connect_lazy("postgres://").unwrap());
 /// # let id = Uuid::nil();
 /// let mut tx = outbox.begin().await?;
 /// sqlx::query("UPDATE subscriptions SET cycle_count = cycle_count + 1 WHERE id = $1")
@@ -111,28 +122,67 @@ mod sealed {
 /// transaction is gone, and so is the ability to publish on it:
 ///
 /// ```compile_fail,E0277
-/// # use outbox_core::OutboxEvent;
+/// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
 /// # use serde::{Deserialize, Serialize};
 /// # use uuid::Uuid;
 /// # #[derive(Serialize, Deserialize, OutboxEvent)]
 /// # #[outbox(aggregate_type = "subscription")]
 /// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
-/// # async fn demo(outbox: outbox_sqlx::Outbox<sqlx::Postgres>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
+/// # #[subscriber(events = [PaymentSucceeded])]
+/// # struct Licensing;
+/// # impl Handle<PaymentSucceeded> for Licensing {
+/// #     async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+/// # }
+/// # #[router(events = [PaymentSucceeded])]
+/// # struct App { licensing: Licensing }
+/// # async fn demo(outbox: outbox_sqlx::Outbox<sqlx::Postgres, App>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
 /// let tx = outbox.begin().await?;
 /// let mut committed = tx.commit().await?;
 /// committed.publish(&PaymentSucceeded { subscription_id: id }).await?; // does not compile
 /// # Ok(()) }
 /// ```
-pub struct OutboxTx<'c, DB: Backend, S: State = Active> {
+///
+/// A transaction publishes only the events its router routes:
+///
+/// ```compile_fail,E0277
+/// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+/// # use serde::{Deserialize, Serialize};
+/// # use uuid::Uuid;
+/// # #[derive(Serialize, Deserialize, OutboxEvent)]
+/// # #[outbox(aggregate_type = "subscription")]
+/// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+/// #[derive(Serialize, Deserialize, OutboxEvent)]
+/// #[outbox(aggregate_type = "bot")]
+/// struct BotKicked {
+///     #[outbox(aggregate_id)]
+///     bot_id: Uuid,
+/// }
+/// # #[subscriber(events = [PaymentSucceeded])]
+/// # struct Licensing;
+/// # impl Handle<PaymentSucceeded> for Licensing {
+/// #     async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+/// # }
+///
+/// #[router(events = [PaymentSucceeded])]
+/// struct App {
+///     licensing: Licensing,
+/// }
+///
+/// # async fn demo(outbox: outbox_sqlx::Outbox<sqlx::Postgres, App>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
+/// let mut tx = outbox.begin().await?;
+/// tx.publish(&BotKicked { bot_id: id }).await?; // `BotKicked` is not in the catalog of `App`
+/// # Ok(()) }
+/// ```
+pub struct OutboxTx<'c, DB: Backend, R, S: State = Active> {
     inner: S::Inner<'c, DB>,
-    outbox: Outbox<DB>,
+    outbox: Outbox<DB, R>,
     metadata: Metadata,
     published: u64,
     state: PhantomData<S>,
 }
 
-impl<'c, DB: Backend> OutboxTx<'c, DB, Active> {
-    pub(crate) fn new(outbox: Outbox<DB>, tx: Transaction<'c, DB>) -> Self {
+impl<'c, DB: Backend, R> OutboxTx<'c, DB, R, Active> {
+    pub(crate) fn new(outbox: Outbox<DB, R>, tx: Transaction<'c, DB>) -> Self {
         Self {
             inner: tx,
             outbox,
@@ -144,7 +194,7 @@ impl<'c, DB: Backend> OutboxTx<'c, DB, Active> {
 
     /// Commits the domain change and the events. A relay of the same [`Outbox`] in this process
     /// starts delivering them at once.
-    pub async fn commit(self) -> Result<OutboxTx<'c, DB, Committed>, Error> {
+    pub async fn commit(self) -> Result<OutboxTx<'c, DB, R, Committed>, Error> {
         self.inner.commit().await?;
         if self.published > 0 {
             self.outbox.wake_relay();
@@ -159,7 +209,7 @@ impl<'c, DB: Backend> OutboxTx<'c, DB, Active> {
     }
 
     /// Rolls back the domain change and the events. Dropping the transaction does the same.
-    pub async fn rollback(self) -> Result<OutboxTx<'c, DB, RolledBack>, Error> {
+    pub async fn rollback(self) -> Result<OutboxTx<'c, DB, R, RolledBack>, Error> {
         self.inner.rollback().await?;
         Ok(OutboxTx {
             inner: (),
@@ -175,26 +225,29 @@ impl<'c, DB: Backend> OutboxTx<'c, DB, Active> {
 /// compile error at the call, not one more at every `.await`.
 pub type PublishFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-impl<DB: Backend, S: State> OutboxTx<'_, DB, S> {
-    /// Publishes `event` in this transaction, with the transaction's metadata.
+impl<DB: Backend, R, S: State> OutboxTx<'_, DB, R, S> {
+    /// Publishes `event` in this transaction, with the transaction's metadata. `E` must be in the
+    /// event catalog of the router `R` (`R: Routes<E>`).
     ///
     /// The event is encoded at once; the returned future inserts it.
-    pub fn publish<E: OutboxEvent>(&mut self, event: &E) -> PublishFuture<'_, Result<(), Error>>
+    pub fn publish<E>(&mut self, event: &E) -> PublishFuture<'_, Result<(), Error>>
     where
         S: CanPublish,
+        E: OutboxEvent + RoutedBy<R>,
     {
         let rows = encode_all([event], &self.metadata);
         self.insert(rows)
     }
 
     /// Publishes `event` in this transaction, with `metadata`.
-    pub fn publish_with<E: OutboxEvent>(
+    pub fn publish_with<E>(
         &mut self,
         event: &E,
         metadata: &Metadata,
     ) -> PublishFuture<'_, Result<(), Error>>
     where
         S: CanPublish,
+        E: OutboxEvent + RoutedBy<R>,
     {
         let rows = encode_all([event], metadata);
         self.insert(rows)
@@ -202,12 +255,13 @@ impl<DB: Backend, S: State> OutboxTx<'_, DB, S> {
 
     /// Publishes `events` in this transaction, in order, in one statement, with the
     /// transaction's metadata.
-    pub fn publish_all<'e, E: OutboxEvent>(
+    pub fn publish_all<'e, E>(
         &mut self,
         events: impl IntoIterator<Item = &'e E>,
     ) -> PublishFuture<'_, Result<(), Error>>
     where
         S: CanPublish,
+        E: OutboxEvent + RoutedBy<R>,
     {
         let rows = encode_all(events, &self.metadata);
         self.insert(rows)
@@ -262,7 +316,7 @@ fn encode_all<'e, E: OutboxEvent>(
         .collect()
 }
 
-impl<DB: Backend> Deref for OutboxTx<'_, DB, Active> {
+impl<DB: Backend, R> Deref for OutboxTx<'_, DB, R, Active> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &DB::Connection {
@@ -270,13 +324,13 @@ impl<DB: Backend> Deref for OutboxTx<'_, DB, Active> {
     }
 }
 
-impl<DB: Backend> DerefMut for OutboxTx<'_, DB, Active> {
+impl<DB: Backend, R> DerefMut for OutboxTx<'_, DB, R, Active> {
     fn deref_mut(&mut self) -> &mut DB::Connection {
         &mut self.inner
     }
 }
 
-impl<DB: Backend, S: State> std::fmt::Debug for OutboxTx<'_, DB, S> {
+impl<DB: Backend, R, S: State> std::fmt::Debug for OutboxTx<'_, DB, R, S> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OutboxTx")
             .field("state", &std::any::type_name::<S>())
@@ -285,27 +339,28 @@ impl<DB: Backend, S: State> std::fmt::Debug for OutboxTx<'_, DB, S> {
     }
 }
 
-impl<DB: Backend> Publish for OutboxTx<'_, DB, Active> {
-    async fn publish<E: OutboxEvent>(&mut self, event: &E) -> Result<(), PublishError> {
+impl<DB: Backend, R: Send, E: OutboxEvent + RoutedBy<R>> Publish<E>
+    for OutboxTx<'_, DB, R, Active>
+{
+    async fn publish(&mut self, event: &E) -> Result<(), PublishError> {
         OutboxTx::publish(self, event)
             .await
             .map_err(into_publish_error)
     }
 
-    async fn publish_with<E: OutboxEvent>(
-        &mut self,
-        event: &E,
-        metadata: &Metadata,
-    ) -> Result<(), PublishError> {
+    async fn publish_with(&mut self, event: &E, metadata: &Metadata) -> Result<(), PublishError> {
         OutboxTx::publish_with(self, event, metadata)
             .await
             .map_err(into_publish_error)
     }
 
-    async fn publish_all<'e, E: OutboxEvent>(
+    async fn publish_all<'e>(
         &mut self,
         events: impl IntoIterator<Item = &'e E> + Send,
-    ) -> Result<(), PublishError> {
+    ) -> Result<(), PublishError>
+    where
+        E: 'e,
+    {
         OutboxTx::publish_all(self, events)
             .await
             .map_err(into_publish_error)
@@ -328,7 +383,7 @@ pub trait PublishGuard {
         event: &'a E,
     ) -> PublishFuture<'a, Result<(), PublishError>>
     where
-        Self: Publish,
+        Self: Publish<E>,
     {
         Box::pin(Publish::publish(self, event))
     }

@@ -1,20 +1,21 @@
-//! Subscribers registered in code, with scripted failures and a log of what they saw.
-//!
-//! The compile-time router will replace [`TestRouter`]; until then it is how tests wire
-//! subscribers to events through the `Router` trait.
+//! Subscribers with scripted failures and a log of what they saw, and the routers that combine
+//! them, declared with `#[subscriber]` and `#[router]` like an application's.
 
 use std::collections::{HashMap, VecDeque};
-use std::future::Future;
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_core::{
-    BatchReport, DecodeError, Decoded, Delivery, HandlerError, Metadata, OutboxEvent, Relay,
-    Router, Store, StoredEvent,
+    BatchReport, Delivery, Handle, HandlerError, Metadata, OutboxEvent, Relay, Router, Store,
+    router, subscriber,
 };
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
+
+use crate::events::{
+    BotInstalled, BotKicked, LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded,
+    SubscriptionStarted,
+};
 
 /// The event most relay tests publish: a numbered ping on an aggregate.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
@@ -80,7 +81,7 @@ pub enum Fail {
 /// Scripted failures per (subscriber, aggregate, seq).
 type Script = HashMap<(String, Uuid, u32), VecDeque<Fail>>;
 
-/// Scripted failures and the log of calls, shared by every handler of a [`TestRouter`].
+/// Scripted failures and the log of calls, shared by the probe subscribers.
 #[derive(Clone, Default)]
 pub struct Probe {
     script: Arc<Mutex<Script>>,
@@ -159,23 +160,7 @@ impl Probe {
     }
 }
 
-type BoxFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send + 'a>>;
-type Handler = Box<dyn Fn(&Decoded, &Delivery<'_>) -> BoxFuture<'static> + Send + Sync>;
-
-struct Route {
-    subscribers: Vec<&'static str>,
-    decode: fn(&StoredEvent) -> Result<Decoded, DecodeError>,
-    handlers: HashMap<&'static str, Handler>,
-}
-
-/// A router whose subscribers are registered in code: each logs to a [`Probe`] and follows its
-/// script.
-pub struct TestRouter {
-    probe: Probe,
-    routes: HashMap<&'static str, Route>,
-}
-
-/// Events a [`TestRouter`] can route: they carry an aggregate and a sequence number.
+/// Events a probe subscriber can take: they carry an aggregate and a sequence number.
 pub trait Probed: OutboxEvent + Clone {
     /// The event's `seq`.
     fn seq(&self) -> u32;
@@ -193,31 +178,23 @@ impl Probed for Pong {
     }
 }
 
-impl TestRouter {
-    /// A router with no routes, logging to `probe`.
-    pub fn new(probe: &Probe) -> Self {
-        Self {
-            probe: probe.clone(),
-            routes: HashMap::new(),
-        }
-    }
+/// Subscriber `x` taking `Ping`.
+#[subscriber(events = [Ping], name = "x")]
+pub struct XPing(pub Probe);
 
-    /// Routes `E` to `subscriber`, after the subscribers routed before.
-    #[must_use]
-    pub fn route<E: Probed>(mut self, subscriber: &'static str) -> Self {
-        let probe = self.probe.clone();
-        let route = self.routes.entry(E::EVENT_TYPE).or_insert_with(|| Route {
-            subscribers: Vec::new(),
-            decode: Decoded::decode::<E>,
-            handlers: HashMap::new(),
-        });
-        route.subscribers.push(subscriber);
-        route.handlers.insert(
-            subscriber,
-            Box::new(move |decoded, delivery| {
-                let probe = probe.clone();
-                let event = decoded.downcast_ref::<E>().cloned();
-                let seen = event.map(|event| Seen {
+/// Subscriber `x` taking `Ping` and `Pong`.
+#[subscriber(events = [Ping, Pong], name = "x")]
+pub struct XPingPong(pub Probe);
+
+/// Subscriber `y` taking `Ping`.
+#[subscriber(events = [Ping], name = "y")]
+pub struct YPing(pub Probe);
+
+macro_rules! probe_handlers {
+    ($($subscriber:ty),*) => {$(
+        impl<E: Probed> Handle<E> for $subscriber {
+            async fn handle(&self, event: &E, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+                self.0.handle(Seen {
                     subscriber: delivery.subscriber().to_owned(),
                     event_type: E::EVENT_TYPE.to_owned(),
                     event_id: delivery.event().id,
@@ -226,48 +203,102 @@ impl TestRouter {
                     attempt: delivery.attempt(),
                     ok: false,
                     metadata: delivery.metadata().clone(),
-                });
-                Box::pin(async move {
-                    match seen {
-                        Some(seen) => probe.handle(seen).await,
-                        None => Err(HandlerError::permanent("event of an unexpected type")),
-                    }
                 })
-            }),
-        );
-        self
+                .await
+            }
+        }
+    )*};
+}
+
+probe_handlers!(XPing, XPingPong, YPing);
+
+/// One subscriber, `x`, taking `Ping`.
+#[router(events = [Ping])]
+pub struct OnlyX {
+    /// x
+    pub x: XPing,
+}
+
+/// Two subscribers of `Ping`: `x`, then `y`.
+#[router(events = [Ping])]
+pub struct XAndY {
+    /// x
+    pub x: XPing,
+    /// y
+    pub y: YPing,
+}
+
+/// `x` takes `Ping` and `Pong`, `y` takes `Ping`.
+#[router(events = [Ping, Pong])]
+pub struct PingPong {
+    /// x
+    pub x: XPingPong,
+    /// y
+    pub y: YPing,
+}
+
+impl OnlyX {
+    /// Logging to `probe`.
+    pub fn new(probe: &Probe) -> Self {
+        Self {
+            x: XPing(probe.clone()),
+        }
     }
 }
 
-impl Router for TestRouter {
-    fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
-        self.routes
-            .get(event_type)
-            .map(|route| route.subscribers.as_slice())
-    }
-
-    fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError> {
-        match self.routes.get(event.event_type.as_str()) {
-            Some(route) => (route.decode)(event),
-            None => unreachable!("the relay decodes only routed event types"),
+impl XAndY {
+    /// Logging to `probe`.
+    pub fn new(probe: &Probe) -> Self {
+        Self {
+            x: XPing(probe.clone()),
+            y: YPing(probe.clone()),
         }
     }
+}
 
-    fn deliver<'a>(
-        &'a self,
-        subscriber: &'a str,
-        event: &'a Decoded,
-        delivery: &'a Delivery<'a>,
-    ) -> impl Future<Output = Result<(), HandlerError>> + Send + 'a {
-        let handler = self
-            .routes
-            .get(delivery.event().event_type.as_str())
-            .and_then(|route| route.handlers.get(subscriber));
-        match handler {
-            Some(handler) => handler(event, delivery),
-            None => Box::pin(async { Err(HandlerError::permanent("no such subscriber")) }),
+impl PingPong {
+    /// Logging to `probe`.
+    pub fn new(probe: &Probe) -> Self {
+        Self {
+            x: XPingPong(probe.clone()),
+            y: YPing(probe.clone()),
         }
     }
+}
+
+/// A subscriber that takes every test event and does nothing: for tests of publishing.
+#[subscriber(events = [
+    Ping,
+    Pong,
+    PaymentSucceeded,
+    PaymentFailedFinal,
+    SubscriptionStarted,
+    LicenseUpgraded,
+    BotInstalled,
+    BotKicked,
+])]
+pub struct Sink;
+
+impl<E: OutboxEvent> Handle<E> for Sink {
+    async fn handle(&self, _: &E, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+/// Routes every test event to [`Sink`].
+#[router(events = [
+    Ping,
+    Pong,
+    PaymentSucceeded,
+    PaymentFailedFinal,
+    SubscriptionStarted,
+    LicenseUpgraded,
+    BotInstalled,
+    BotKicked,
+])]
+pub struct Everything {
+    /// The sink.
+    pub sink: Sink,
 }
 
 /// Runs batches until `done` holds, pausing briefly when a batch finds nothing to do; panics

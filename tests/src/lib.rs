@@ -3,10 +3,12 @@
 //! - [`events`] model the seed's billing scenario; each has a canonical sample in [`samples`],
 //!   whose encoded payload is pinned by a golden file under `fixtures/`.
 //! - [`pg`] gives each test a fresh PostgreSQL database.
-//! - [`kit`] wires scripted subscribers to events for relay tests.
+//! - [`kit`] has scripted subscribers and the routers that combine them, for relay tests.
+//! - [`seed`] is the seed's dispatcher as a router.
 
 pub mod kit;
 pub mod pg;
+pub mod seed;
 
 pub mod events {
     //! Test events covering every form the derive supports.
@@ -96,6 +98,28 @@ pub mod events {
         obj.insert("tier".to_owned(), json!(tier));
         obj.insert("seats".to_owned(), json!(1));
         Ok(data)
+    }
+
+    /// A charge failed for the last time: the subscription lapses.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+    #[outbox(aggregate_type = "subscription", event_type = "PaymentFailedFinal")]
+    pub struct PaymentFailedFinal {
+        /// The subscription.
+        #[outbox(aggregate_id)]
+        pub subscription_id: Uuid,
+        /// The license it paid for.
+        pub license_id: Uuid,
+    }
+
+    /// A bot joined a workspace.
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+    #[outbox(aggregate_type = "bot")]
+    pub struct BotInstalled {
+        /// The bot.
+        #[outbox(aggregate_id)]
+        pub bot_id: Uuid,
+        /// The license it counts against.
+        pub license_id: Uuid,
     }
 
     /// An event at version 2 that keeps no upcaster: version 1 payloads cannot be read.

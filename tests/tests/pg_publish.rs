@@ -4,12 +4,14 @@
 use outbox_core::{Metadata, OutboxEvent, TraceContext, decode};
 use outbox_sqlx::prelude::*;
 use outbox_sqlx::{Error, Outbox, TableNames};
-use outbox_tests::kit::Ping;
+use outbox_tests::kit::{Everything, Ping};
 use outbox_tests::pg::TestDb;
 use sqlx::{Acquire, Postgres, Row};
 use uuid::Uuid;
 
-async fn setup() -> (TestDb, Outbox<Postgres>) {
+type TestOutbox = Outbox<Postgres, Everything>;
+
+async fn setup() -> (TestDb, TestOutbox) {
     let db = TestDb::new().await;
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await.expect("migrate");
@@ -248,7 +250,7 @@ async fn an_existing_sqlx_transaction_can_be_wrapped_or_nested() {
 #[tokio::test]
 async fn a_service_written_against_the_publish_port_runs_on_the_transaction() {
     async fn service(
-        events: &mut impl Publish,
+        events: &mut impl Publish<Ping>,
         aggregate: Uuid,
     ) -> Result<(), outbox_core::PublishError> {
         events.publish(&Ping { aggregate, seq: 1 }).await?;
@@ -288,7 +290,7 @@ async fn occurred_at_is_the_events_own_or_the_time_of_publishing() {
 #[tokio::test]
 async fn migrate_is_idempotent_and_safe_to_run_concurrently() {
     let db = TestDb::new().await;
-    let outbox = Outbox::new(db.pool.clone());
+    let outbox: TestOutbox = Outbox::new(db.pool.clone());
     let (a, b, c) = tokio::join!(outbox.migrate(), outbox.migrate(), outbox.migrate());
     a.unwrap();
     b.unwrap();
@@ -334,7 +336,7 @@ async fn a_database_migrated_by_a_newer_build_is_refused_with_a_clear_error() {
 async fn custom_schema_and_table_names_are_used() {
     let db = TestDb::new().await;
     let names = TableNames::new("billing", "event_log").unwrap();
-    let outbox = Outbox::with_names(db.pool.clone(), names);
+    let outbox: TestOutbox = Outbox::with_names(db.pool.clone(), names);
     outbox.migrate().await.unwrap();
     let mut tx = outbox.begin().await.unwrap();
     tx.publish(&Ping {
@@ -393,7 +395,23 @@ async fn an_event_that_cannot_be_encoded_is_an_error_and_stores_nothing() {
             Err(serde::ser::Error::custom("refused"))
         }
     }
-    let (db, outbox) = setup().await;
+    #[outbox_core::subscriber(events = [Unencodable])]
+    struct Nobody;
+    impl outbox_core::Handle<Unencodable> for Nobody {
+        async fn handle(
+            &self,
+            _: &Unencodable,
+            _: &outbox_core::Delivery<'_>,
+        ) -> Result<(), outbox_core::HandlerError> {
+            Ok(())
+        }
+    }
+    #[outbox_core::router(events = [Unencodable])]
+    struct Strict {
+        nobody: Nobody,
+    }
+    let (db, _) = setup().await;
+    let outbox: Outbox<Postgres, Strict> = Outbox::new(db.pool.clone());
     let mut tx = outbox.begin().await.unwrap();
     let error = tx
         .publish(&Unencodable { id: Uuid::new_v4() })

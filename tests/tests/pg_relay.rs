@@ -8,7 +8,7 @@ use std::time::Duration;
 use outbox_core::store::Requeue;
 use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
 use outbox_sqlx::{Outbox, SqlStore};
-use outbox_tests::kit::{Fail, Ping, Pong, Probe, TestRouter, WatchedStore, run_until};
+use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until};
 use outbox_tests::pg::TestDb;
 use sqlx::{PgPool, Postgres, Row};
 use tokio::sync::Notify;
@@ -31,7 +31,10 @@ fn config() -> RelayConfig {
         .with_retry(RetryPolicy::new([ms(50), ms(50)]).unwrap())
 }
 
-async fn setup() -> (TestDb, Outbox<Postgres>) {
+/// The outbox publishes `Ping` and `Pong`; relays may route fewer (an older build).
+type TestOutbox = Outbox<Postgres, PingPong>;
+
+async fn setup() -> (TestDb, TestOutbox) {
     let db = TestDb::new().await;
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await.expect("migrate");
@@ -39,14 +42,14 @@ async fn setup() -> (TestDb, Outbox<Postgres>) {
 }
 
 fn relay<R: Router>(
-    outbox: &Outbox<Postgres>,
+    outbox: &TestOutbox,
     router: R,
     config: RelayConfig,
 ) -> Relay<SqlStore<Postgres>, R> {
-    outbox.relay(router, config).expect("valid config")
+    Relay::new(outbox.store(), router, config).expect("valid config")
 }
 
-async fn publish(outbox: &Outbox<Postgres>, events: &[Ping]) {
+async fn publish(outbox: &TestOutbox, events: &[Ping]) {
     let mut tx = outbox.begin().await.unwrap();
     for event in events {
         tx.publish(event).await.unwrap();
@@ -54,7 +57,7 @@ async fn publish(outbox: &Outbox<Postgres>, events: &[Ping]) {
     tx.commit().await.unwrap();
 }
 
-async fn publish_one(outbox: &Outbox<Postgres>, aggregate: Uuid, seq: u32) -> i64 {
+async fn publish_one(outbox: &TestOutbox, aggregate: Uuid, seq: u32) -> i64 {
     publish(outbox, &[Ping { aggregate, seq }]).await;
     sqlx::query_scalar("SELECT max(id) FROM events.outbox")
         .fetch_one(outbox.pool())
@@ -124,10 +127,7 @@ async fn insert_raw(pool: &PgPool, event_type: &str, aggregate: Uuid, payload: &
 async fn committed_events_reach_each_routed_subscriber_exactly_once() {
     let (db, outbox) = setup().await;
     let probe = Probe::default();
-    let router = TestRouter::new(&probe)
-        .route::<Ping>("x")
-        .route::<Ping>("y")
-        .route::<Pong>("x");
+    let router = PingPong::new(&probe);
     let relay = relay(&outbox, router, config());
     sqlx::query("CREATE TABLE probes (id UUID PRIMARY KEY, pings INT NOT NULL)")
         .execute(&db.pool)
@@ -194,7 +194,7 @@ async fn transient_failure_records_attempts_error_and_next_retry_then_delivers_a
     let a = Uuid::new_v4();
     probe.fail("x", a, 1, [Fail::Transient]);
     let config = config().with_retry(RetryPolicy::new([ms(800)]).unwrap());
-    let relay = relay(&outbox, TestRouter::new(&probe).route::<Ping>("x"), config);
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
     let id = publish_one(&outbox, a, 1).await;
 
     let report = relay.run_once().await.unwrap();
@@ -230,11 +230,7 @@ async fn exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_wh
         1,
         [Fail::Transient, Fail::Transient, Fail::Transient],
     );
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let dead_id = publish_one(&outbox, a, 1).await;
 
     // Two retries of 50 ms, then the third failure is final.
@@ -288,13 +284,7 @@ async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason() {
     let probe = Probe::default();
     let a = Uuid::new_v4();
     probe.fail("x", a, 1, [Fail::Permanent]);
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe)
-            .route::<Ping>("x")
-            .route::<Ping>("y"),
-        config(),
-    );
+    let relay = relay(&outbox, XAndY::new(&probe), config());
     let id = publish_one(&outbox, a, 1).await;
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.delivered, report.dead), (1, 1));
@@ -313,11 +303,7 @@ async fn a_panicking_handler_is_a_transient_failure_not_a_crash() {
     let probe = Probe::default();
     let a = Uuid::new_v4();
     probe.fail("x", a, 1, [Fail::Panic]);
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let id = publish_one(&outbox, a, 1).await;
     assert_eq!(relay.run_once().await.unwrap().retried, 1);
     let (attempts, error, _, _) = delivery(&db.pool, "x", id).await.unwrap();
@@ -333,11 +319,7 @@ async fn a_panicking_handler_is_a_transient_failure_not_a_crash() {
 async fn undecodable_payloads_become_dead_letters_and_the_relay_keeps_running() {
     let (db, outbox) = setup().await;
     let probe = Probe::default();
-    let relay = Arc::new(relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    ));
+    let relay = Arc::new(relay(&outbox, OnlyX::new(&probe), config()));
     let wrong_shape = insert_raw(
         &db.pool,
         "Ping",
@@ -378,11 +360,7 @@ async fn undecodable_payloads_become_dead_letters_and_the_relay_keeps_running() 
 async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs() {
     let (db, outbox) = setup().await;
     let probe = Probe::default();
-    let old_build = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let old_build = relay(&outbox, OnlyX::new(&probe), config());
     let a = Uuid::new_v4();
     let mut tx = outbox.begin().await.unwrap();
     tx.publish(&Pong {
@@ -406,13 +384,7 @@ async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_do
         Some("no subscriber in this build knows event type `Pong`")
     );
 
-    let new_build = relay(
-        &outbox,
-        TestRouter::new(&probe)
-            .route::<Ping>("x")
-            .route::<Pong>("x"),
-        config(),
-    );
+    let new_build = relay(&outbox, PingPong::new(&probe), config());
     run_until(&new_build, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
     assert!(event_state(&db.pool, id).await.0);
 }
@@ -421,11 +393,7 @@ async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_do
 async fn a_payload_of_a_newer_version_is_parked_not_dead() {
     let (db, outbox) = setup().await;
     let probe = Probe::default();
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let a = Uuid::new_v4();
     let id = insert_raw(
         &db.pool,
@@ -457,13 +425,7 @@ async fn a_subscriber_that_fails_is_retried_alone() {
     let probe = Probe::default();
     let a = Uuid::new_v4();
     probe.fail("x", a, 1, [Fail::Transient]);
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe)
-            .route::<Ping>("x")
-            .route::<Ping>("y"),
-        config(),
-    );
+    let relay = relay(&outbox, XAndY::new(&probe), config());
     publish_one(&outbox, a, 1).await;
     run_until(&relay, WAIT, || probe.delivered_to("x").len() == 1).await;
     for _ in 0..3 {
@@ -480,13 +442,7 @@ async fn a_failing_event_holds_back_its_aggregate_for_that_subscriber_only() {
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
     probe.fail("x", a, 1, [Fail::Transient, Fail::Transient]);
     let config = config().with_retry(RetryPolicy::new([ms(300), ms(300)]).unwrap());
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe)
-            .route::<Ping>("x")
-            .route::<Ping>("y"),
-        config,
-    );
+    let relay = relay(&outbox, XAndY::new(&probe), config);
     publish(
         &outbox,
         &[
@@ -565,11 +521,7 @@ async fn requeue_hands_dead_letters_back_to_the_relay() {
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
     probe.fail("x", a, 1, [Fail::Permanent]);
     probe.fail("x", b, 1, [Fail::Permanent]);
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let a_id = publish_one(&outbox, a, 1).await;
     let b_id = publish_one(&outbox, b, 1).await;
     run_until(&relay, WAIT, || probe.calls_of("x").len() == 2).await;
@@ -609,11 +561,7 @@ async fn requeue_hands_dead_letters_back_to_the_relay() {
 async fn a_dead_undecodable_event_can_be_requeued_after_a_fix() {
     let (db, outbox) = setup().await;
     let probe = Probe::default();
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let a = Uuid::new_v4();
     let id = insert_raw(&db.pool, "Ping", a, r#"{"version":1,"data":{"seq":1}}"#).await;
     relay.run_once().await.unwrap();
@@ -647,11 +595,7 @@ async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers()
     );
     let lease = Duration::from_secs(1);
     let short = config().with_lease(lease).with_handler_timeout(ms(500));
-    let first = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        short.clone(),
-    );
+    let first = relay(&outbox, OnlyX::new(&probe), short.clone());
     let id = publish_one(&outbox, a, 1).await;
     let task = tokio::spawn(async move { first.run_once().await });
     entered.notified().await;
@@ -659,7 +603,7 @@ async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers()
     assert!(task.await.unwrap_err().is_cancelled());
     let claimed_at = tokio::time::Instant::now();
 
-    let second = relay(&outbox, TestRouter::new(&probe).route::<Ping>("x"), short);
+    let second = relay(&outbox, OnlyX::new(&probe), short);
     // The claim still holds: nothing for the second relay yet.
     assert_eq!(second.run_once().await.unwrap().claimed, 0);
     run_until(&second, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
@@ -675,13 +619,9 @@ async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers()
 async fn the_relay_survives_its_connections_being_killed() {
     let (db, outbox) = setup().await;
     let relay_pool = db.pool_named("outbox_relay", 2).await;
-    let relay_outbox = Outbox::new(relay_pool);
+    let relay_outbox: TestOutbox = Outbox::new(relay_pool);
     let probe = Probe::default();
-    let relay = Arc::new(relay(
-        &relay_outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    ));
+    let relay = Arc::new(relay(&relay_outbox, OnlyX::new(&probe), config()));
     let stop = Arc::new(Notify::new());
     let worker = tokio::spawn({
         let (relay, stop) = (relay.clone(), stop.clone());
@@ -705,7 +645,7 @@ async fn the_relay_survives_its_connections_being_killed() {
 #[tokio::test]
 async fn no_relay_transaction_stays_open_while_handlers_run() {
     let (db, outbox) = setup().await;
-    let relay_outbox = Outbox::new(db.pool_named("outbox_relay", 2).await);
+    let relay_outbox: TestOutbox = Outbox::new(db.pool_named("outbox_relay", 2).await);
     let probe = Probe::default();
     let a = Uuid::new_v4();
     let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
@@ -718,11 +658,7 @@ async fn no_relay_transaction_stays_open_while_handlers_run() {
             release: release.clone(),
         }],
     );
-    let relay = relay(
-        &relay_outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&relay_outbox, OnlyX::new(&probe), config());
     publish_one(&outbox, a, 1).await;
     let task = tokio::spawn(async move { relay.run_once().await });
     entered.notified().await;
@@ -758,11 +694,7 @@ async fn graceful_shutdown_records_the_batch_in_progress() {
             release: release.clone(),
         }],
     );
-    let relay = relay(
-        &outbox,
-        TestRouter::new(&probe).route::<Ping>("x"),
-        config(),
-    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
     let id = publish_one(&outbox, a, 1).await;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let worker = tokio::spawn(async move {
@@ -793,7 +725,7 @@ async fn a_commit_in_this_process_wakes_an_idle_relay() {
     let store = WatchedStore::new(outbox.store());
     let idle = store.idle.clone();
     let sleepy = config().with_poll_interval(Duration::from_secs(3600));
-    let relay = Relay::new(store, TestRouter::new(&probe).route::<Ping>("x"), sleepy).unwrap();
+    let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     // The relay found nothing; from here only a wake-up makes it claim within the hour.
     idle.notified().await;

@@ -9,5 +9,7 @@ fn ui() {
     let t = trybuild::TestCases::new();
     t.compile_fail("ui/event/*.rs");
     t.compile_fail("ui/tx/*.rs");
+    t.compile_fail("ui/subscriber/*.rs");
+    t.compile_fail("ui/router/*.rs");
     t.pass("ui/pass/*.rs");
 }

@@ -1,6 +1,8 @@
 //! The supported ways to publish: on an active transaction, directly or through the port.
 
-use outbox_core::{Metadata, OutboxEvent, Publish, PublishError};
+use outbox_core::{
+    Delivery, Handle, HandlerError, Metadata, OutboxEvent, Publish, PublishError, router, subscriber,
+};
 use outbox_sqlx::prelude::*;
 use outbox_sqlx::{Outbox, OutboxTx};
 use serde::{Deserialize, Serialize};
@@ -14,18 +16,32 @@ struct PaymentSucceeded {
     subscription_id: Uuid,
 }
 
-async fn record_charge(events: &mut impl Publish, subscription_id: Uuid) -> Result<(), PublishError> {
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+impl Handle<PaymentSucceeded> for Licensing {
+    async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [PaymentSucceeded])]
+struct App {
+    licensing: Licensing,
+}
+
+async fn record_charge(events: &mut impl Publish<PaymentSucceeded>, subscription_id: Uuid) -> Result<(), PublishError> {
     events.publish(&PaymentSucceeded { subscription_id }).await
 }
 
-async fn concrete(tx: &mut OutboxTx<'_, Postgres>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
+async fn concrete(tx: &mut OutboxTx<'_, Postgres, App>, id: Uuid) -> Result<(), outbox_sqlx::Error> {
     sqlx::query("SELECT 1").execute(&mut **tx).await?;
     tx.publish(&PaymentSucceeded { subscription_id: id }).await?;
     tx.publish_with(&PaymentSucceeded { subscription_id: id }, &Metadata::new()).await?;
     tx.publish_all(&[PaymentSucceeded { subscription_id: id }]).await
 }
 
-async fn all(outbox: Outbox<Postgres>, pool: sqlx::PgPool, id: Uuid) -> Result<(), Box<dyn std::error::Error>> {
+async fn all(outbox: Outbox<Postgres, App>, pool: sqlx::PgPool, id: Uuid) -> Result<(), Box<dyn std::error::Error>> {
     let mut tx = outbox.begin().await?;
     concrete(&mut tx, id).await?;
     record_charge(&mut tx, id).await?;

@@ -1,4 +1,4 @@
-use outbox_core::OutboxEvent;
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
 use outbox_sqlx::Outbox;
 use serde::{Deserialize, Serialize};
 use sqlx::Postgres;
@@ -11,13 +11,27 @@ struct PaymentSucceeded {
     subscription_id: Uuid,
 }
 
-async fn keeps_the_rolled_back_transaction(outbox: Outbox<Postgres>, id: Uuid) {
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+impl Handle<PaymentSucceeded> for Licensing {
+    async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [PaymentSucceeded])]
+struct App {
+    licensing: Licensing,
+}
+
+async fn keeps_the_rolled_back_transaction(outbox: Outbox<Postgres, App>, id: Uuid) {
     let tx = outbox.begin().await.unwrap();
     let mut rolled_back = tx.rollback().await.unwrap();
     let _ = rolled_back.publish(&PaymentSucceeded { subscription_id: id }).await;
 }
 
-async fn reuses_the_moved_transaction(outbox: Outbox<Postgres>, id: Uuid) {
+async fn reuses_the_moved_transaction(outbox: Outbox<Postgres, App>, id: Uuid) {
     let mut tx = outbox.begin().await.unwrap();
     tx.rollback().await.unwrap();
     let _ = tx.publish(&PaymentSucceeded { subscription_id: id }).await;

@@ -1,4 +1,4 @@
-use outbox_core::{OutboxEvent, Publish};
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, Publish, router, subscriber};
 use outbox_sqlx::prelude::*;
 use serde::{Deserialize, Serialize};
 use sqlx::PgConnection;
@@ -11,7 +11,21 @@ struct PaymentSucceeded {
     subscription_id: Uuid,
 }
 
-async fn record_charge(events: &mut impl Publish, subscription_id: Uuid) {
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+impl Handle<PaymentSucceeded> for Licensing {
+    async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [PaymentSucceeded])]
+struct App {
+    licensing: Licensing,
+}
+
+async fn record_charge(events: &mut impl Publish<PaymentSucceeded>, subscription_id: Uuid) {
     let _ = events.publish(&PaymentSucceeded { subscription_id }).await;
 }
 

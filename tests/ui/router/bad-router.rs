@@ -1,0 +1,52 @@
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+struct PaymentSucceeded {
+    #[outbox(aggregate_id)]
+    subscription_id: Uuid,
+}
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "bot")]
+struct BotKicked {
+    #[outbox(aggregate_id)]
+    bot_id: Uuid,
+}
+
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+impl<E: OutboxEvent> Handle<E> for Licensing {
+    async fn handle(&self, _: &E, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [])]
+struct Empty {
+    licensing: Licensing,
+}
+
+#[router(events = [PaymentSucceeded, PaymentSucceeded], colour = "blue")]
+struct Twice {
+    licensing: Licensing,
+}
+
+#[router]
+struct NoCatalog {
+    licensing: Licensing,
+}
+
+#[router(events = [PaymentSucceeded])]
+struct Generic<T> {
+    licensing: Licensing,
+    other: T,
+}
+
+#[router(events = [PaymentSucceeded])]
+struct Tuple(Licensing);
+
+fn main() {}

@@ -1,0 +1,46 @@
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+struct PaymentSucceeded {
+    #[outbox(aggregate_id)]
+    subscription_id: Uuid,
+}
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "bot")]
+struct BotKicked {
+    #[outbox(aggregate_id)]
+    bot_id: Uuid,
+}
+
+mod v2 {
+    use super::*;
+
+    // Same event type name as `PaymentSucceeded`: the relay could not tell them apart.
+    #[derive(Serialize, Deserialize, OutboxEvent)]
+    #[outbox(aggregate_type = "subscription", event_type = "PaymentSucceeded")]
+    pub struct PaymentSucceeded {
+        #[outbox(aggregate_id)]
+        subscription_id: Uuid,
+        amount_minor: i64,
+    }
+}
+
+#[subscriber(events = [PaymentSucceeded, v2::PaymentSucceeded])]
+struct Licensing;
+
+impl<E: OutboxEvent> Handle<E> for Licensing {
+    async fn handle(&self, _: &E, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [PaymentSucceeded, v2::PaymentSucceeded])]
+struct App {
+    licensing: Licensing,
+}
+
+fn main() {}

@@ -1,0 +1,44 @@
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+struct PaymentSucceeded {
+    #[outbox(aggregate_id)]
+    subscription_id: Uuid,
+}
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "bot")]
+struct BotKicked {
+    #[outbox(aggregate_id)]
+    bot_id: Uuid,
+}
+
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+// A different type under the same stored name: their delivery state would mix.
+#[subscriber(events = [BotKicked], name = "licensing")]
+struct BotLicensing;
+
+impl<E: OutboxEvent> Handle<E> for Licensing {
+    async fn handle(&self, _: &E, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+impl<E: OutboxEvent> Handle<E> for BotLicensing {
+    async fn handle(&self, _: &E, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[router(events = [PaymentSucceeded, BotKicked])]
+struct App {
+    licensing: Licensing,
+    bot_licensing: BotLicensing,
+}
+
+fn main() {}

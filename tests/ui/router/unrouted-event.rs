@@ -1,0 +1,34 @@
+use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+use serde::{Deserialize, Serialize};
+use uuid::Uuid;
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+struct PaymentSucceeded {
+    #[outbox(aggregate_id)]
+    subscription_id: Uuid,
+}
+
+#[derive(Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "bot")]
+struct BotKicked {
+    #[outbox(aggregate_id)]
+    bot_id: Uuid,
+}
+
+#[subscriber(events = [PaymentSucceeded])]
+struct Licensing;
+
+impl Handle<PaymentSucceeded> for Licensing {
+    async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+// `BotKicked` is in the catalog, so it can be published, but nobody would ever receive it.
+#[router(events = [PaymentSucceeded, BotKicked])]
+struct App {
+    licensing: Licensing,
+}
+
+fn main() {}

@@ -1,0 +1,9 @@
+use outbox_core::subscriber;
+
+#[subscriber(events = [])]
+struct Licensing;
+
+#[subscriber(name = "audit")]
+struct Audit;
+
+fn main() {}

@@ -1,0 +1,6 @@
+use outbox_core::subscriber;
+
+#[subscriber(events = [BotKicked])]
+fn licensing() {}
+
+fn main() {}
