@@ -11,8 +11,8 @@ use uuid::Uuid;
 use crate::error::Error;
 use crate::names::TableNames;
 
-/// A database the outbox can live in. Sealed: implemented for [`sqlx::Postgres`] (feature
-/// `postgres`).
+/// A database the outbox can live in. Sealed: implemented for `sqlx::Postgres` (feature
+/// `postgres`) and `sqlx::Sqlite` (feature `sqlite`).
 pub trait Backend: sqlx::Database + sealed::Sealed {
     /// The SQL for one set of tables, built once from the validated names.
     #[doc(hidden)]

@@ -1,4 +1,5 @@
-//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default).
+//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default) and SQLite (feature
+//! `sqlite`, embedded: one relay per database file).
 //!
 //! - [`Outbox`] runs the migrations ([`Outbox::migrate`]) and begins transactions that can
 //!   publish ([`Outbox::begin`]).
@@ -67,6 +68,8 @@ mod names;
 mod outbox;
 #[cfg(feature = "postgres")]
 mod postgres;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 mod tx;
 
 pub use backend::Backend;

@@ -6,7 +6,8 @@ use outbox_core::ConfigError;
 ///
 /// The events go in `<schema>.<table>`, per-subscriber deliveries in
 /// `<schema>.<table>_deliveries`, and applied migrations in `<schema>.<table>_migrations`. The
-/// default is the seed's `events.outbox`.
+/// default is the seed's `events.outbox`. SQLite has no schemas: there the tables are `<table>`,
+/// `<table>_deliveries` and `<table>_migrations`, and the schema is not used.
 ///
 /// Names are checked here, once: only lowercase ASCII letters, digits and underscores, starting
 /// with a letter or an underscore, so that they can be spliced into SQL safely (they are quoted
@@ -25,6 +26,15 @@ pub struct TableNames {
     schema: String,
     table: String,
 }
+
+/// The indexes the migrations create, named `<table>_<index>`.
+const INDEXES: [&str; 5] = [
+    "pending_idx",
+    "aggregate_idx",
+    "deliveries_head_idx",
+    "deliveries_aggregate_idx",
+    "deliveries_due_idx",
+];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
 const MAX_IDENTIFIER: usize = 63;
@@ -60,6 +70,7 @@ impl TableNames {
     }
 
     /// `"schema"."table<suffix>"`, quoted.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn qualified(&self, suffix: &str) -> String {
         format!("\"{}\".\"{}{suffix}\"", self.schema, self.table)
     }
@@ -70,11 +81,25 @@ impl TableNames {
     }
 
     /// `"schema"`, quoted.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn quoted_schema(&self) -> String {
         format!("\"{}\"", self.schema)
     }
 
+    /// A migration template with `{outbox}` and `{deliveries}` replaced by the given (quoted)
+    /// table names and each index placeholder, such as `{pending_idx}`, by `"<table>_<index>"`.
+    pub(crate) fn render(&self, template: &str, outbox: &str, deliveries: &str) -> String {
+        let mut text = template
+            .replace("{outbox}", outbox)
+            .replace("{deliveries}", deliveries);
+        for index in INDEXES {
+            text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
+        }
+        text
+    }
+
     /// A number that identifies these tables, for advisory locks.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn lock_namespace(&self) -> i32 {
         // FNV-1a: stable across builds and platforms, unlike std's hasher.
         let mut hash: u32 = 0x811c_9dc5;

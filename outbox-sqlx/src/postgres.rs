@@ -15,8 +15,7 @@ use crate::names::TableNames;
 
 impl sealed::Sealed for Postgres {}
 
-/// The migrations, in order. Each is a template: `{outbox}`, `{deliveries}` and the index names
-/// in braces are replaced by quoted, validated names.
+/// The migrations, in order; templates for [`TableNames::render`].
 const MIGRATIONS: &[(i32, &str, &str)] = &[(
     1,
     "events and per-subscriber deliveries",
@@ -72,15 +71,6 @@ CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
     WHERE dead_at IS NULL;
 "#,
 )];
-
-/// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 5] = [
-    "pending_idx",
-    "aggregate_idx",
-    "deliveries_head_idx",
-    "deliveries_aggregate_idx",
-    "deliveries_due_idx",
-];
 
 /// The SQL of one set of tables.
 #[doc(hidden)]
@@ -291,12 +281,11 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             if *version <= current {
                 continue;
             }
-            let mut text = template
-                .replace("{outbox}", &names.qualified(""))
-                .replace("{deliveries}", &names.qualified("_deliveries"));
-            for index in INDEXES {
-                text = text.replace(&format!("{{{index}}}"), &names.local(&format!("_{index}")));
-            }
+            let text = names.render(
+                template,
+                &names.qualified(""),
+                &names.qualified("_deliveries"),
+            );
             tx.execute(sqlx::raw_sql(sql(text))).await?;
             sqlx::query(sql(format!(
                 "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"

@@ -393,3 +393,5 @@ impl<DB: Database> PublishGuard for Pool<DB> {}
 impl<DB: Database> PublishGuard for Transaction<'_, DB> {}
 #[cfg(feature = "postgres")]
 impl PublishGuard for sqlx::PgConnection {}
+#[cfg(feature = "sqlite")]
+impl PublishGuard for sqlx::SqliteConnection {}

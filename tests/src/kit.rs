@@ -373,3 +373,16 @@ impl<S: Store> Store for WatchedStore<S> {
         self.inner.notified().await;
     }
 }
+
+/// Waits for a relay running in the background to make `done` true; panics after 20 seconds.
+pub async fn wait_for(mut done: impl FnMut() -> bool) {
+    let limit = Duration::from_secs(20);
+    let deadline = tokio::time::Instant::now() + limit;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not reached within {limit:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

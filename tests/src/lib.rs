@@ -2,10 +2,12 @@
 //!
 //! - [`events`] model the seed's billing scenario; each has a canonical sample in [`samples`],
 //!   whose encoded payload is pinned by a golden file under `fixtures/`.
-//! - [`pg`] gives each test a fresh PostgreSQL database.
+//! - [`pg`] gives each test a fresh PostgreSQL database; [`backend`] runs one test body on
+//!   PostgreSQL and on a SQLite file.
 //! - [`kit`] has scripted subscribers and the routers that combine them, for relay tests.
 //! - [`seed`] is the seed's dispatcher as a router.
 
+pub mod backend;
 pub mod kit;
 pub mod pg;
 pub mod seed;

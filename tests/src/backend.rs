@@ -1,0 +1,420 @@
+//! One harness over both backends, so that a behavioural test is written once and run on
+//! PostgreSQL and on a real SQLite file.
+//!
+//! A test body is a generic `async fn body<B: TestBackend>()`; [`crate::on_both_backends!`] runs
+//! it as `postgres::body` and `sqlite::body`. The harness gives a fresh, migrated database and the
+//! few backend-specific queries tests use to look at the tables.
+
+use std::future::Future;
+use std::str::FromStr;
+
+use outbox_sqlx::{Backend, Outbox, OutboxTx};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+use sqlx::{Pool, Postgres, Row, Sqlite};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::pg::TestDb;
+
+/// An event row, as tests look at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct EventRow {
+    /// The id.
+    pub id: i64,
+    /// `aggregate_type`.
+    pub aggregate_type: String,
+    /// `aggregate_id`.
+    pub aggregate_id: Uuid,
+    /// `event_type`.
+    pub event_type: String,
+    /// The payload as text.
+    pub payload: String,
+    /// `occurred_at`.
+    pub occurred_at: OffsetDateTime,
+    /// Whether `published_at` is set.
+    pub published: bool,
+    /// Whether `dead_at` is set.
+    pub dead: bool,
+    /// `retry_count`: times parked.
+    pub parked: i64,
+    /// `last_error`.
+    pub last_error: Option<String>,
+    /// Whether `next_retry_at` is in the future.
+    pub waiting: bool,
+}
+
+/// A delivery row, as tests look at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeliveryRow {
+    /// `attempts`.
+    pub attempts: i64,
+    /// `last_error`.
+    pub last_error: Option<String>,
+    /// Whether `dead_at` is set.
+    pub dead: bool,
+    /// Seconds until `next_retry_at` (negative when due).
+    pub due_in: f64,
+}
+
+/// A backend the behavioural tests run on.
+pub trait TestBackend: Backend + Sized {
+    /// Keeps the database alive; dropping it removes the database.
+    type Guard: Send + Sync;
+
+    /// `"postgres"` or `"sqlite"`.
+    const NAME: &'static str;
+
+    /// A fresh, empty database and a pool on it.
+    fn fresh() -> impl Future<Output = (Self::Guard, Pool<Self>)> + Send;
+
+    /// Every event row, in id order.
+    fn events(pool: &Pool<Self>) -> impl Future<Output = Vec<EventRow>> + Send;
+
+    /// One subscriber's delivery row of an event.
+    fn delivery(
+        pool: &Pool<Self>,
+        subscriber: &str,
+        event_id: i64,
+    ) -> impl Future<Output = Option<DeliveryRow>> + Send;
+
+    /// How many delivery rows there are.
+    fn delivery_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
+
+    /// Inserts an event row by hand, bypassing the typed API; returns its id.
+    fn insert_raw(
+        pool: &Pool<Self>,
+        event_type: &str,
+        aggregate: Uuid,
+        payload: &str,
+    ) -> impl Future<Output = i64> + Send;
+
+    /// Overwrites an event's payload, as an operator repairing it would.
+    fn set_payload(pool: &Pool<Self>, id: i64, payload: &str) -> impl Future<Output = ()> + Send;
+
+    /// Records a migration newer than this build knows.
+    fn insert_future_migration(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
+
+    /// Creates the domain table `accounts (id, balance)`.
+    fn create_accounts(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
+
+    /// Inserts an account in the transaction.
+    fn insert_account<'c, R: Send>(
+        tx: &mut OutboxTx<'c, Self, R>,
+        id: Uuid,
+        balance: i64,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// How many accounts there are.
+    fn account_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
+}
+
+/// A fresh, migrated outbox on backend `B`, tied to router `R`.
+pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
+    let (guard, pool) = B::fresh().await;
+    let outbox = Outbox::new(pool);
+    outbox.migrate().await.expect("migrate");
+    (guard, outbox)
+}
+
+impl TestBackend for Postgres {
+    type Guard = TestDb;
+    const NAME: &'static str = "postgres";
+
+    async fn fresh() -> (TestDb, Pool<Postgres>) {
+        let db = TestDb::new().await;
+        let pool = db.pool.clone();
+        (db, pool)
+    }
+
+    async fn events(pool: &Pool<Postgres>) -> Vec<EventRow> {
+        sqlx::query(
+            "SELECT id, aggregate_type, aggregate_id, event_type, payload::text AS payload,
+                    occurred_at, published_at IS NOT NULL AS published, dead_at IS NOT NULL AS dead,
+                    retry_count::int8 AS parked, last_error,
+                    coalesce(next_retry_at > now(), false) AS waiting
+             FROM events.outbox ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| EventRow {
+            id: r.get("id"),
+            aggregate_type: r.get("aggregate_type"),
+            aggregate_id: r.get("aggregate_id"),
+            event_type: r.get("event_type"),
+            payload: r.get("payload"),
+            occurred_at: r.get("occurred_at"),
+            published: r.get("published"),
+            dead: r.get("dead"),
+            parked: r.get("parked"),
+            last_error: r.get("last_error"),
+            waiting: r.get("waiting"),
+        })
+        .collect()
+    }
+
+    async fn delivery(
+        pool: &Pool<Postgres>,
+        subscriber: &str,
+        event_id: i64,
+    ) -> Option<DeliveryRow> {
+        sqlx::query(
+            "SELECT attempts::int8 AS attempts, last_error, dead_at IS NOT NULL AS dead,
+                    extract(epoch FROM next_retry_at - now())::float8 AS due_in
+             FROM events.outbox_deliveries WHERE subscriber = $1 AND event_id = $2",
+        )
+        .bind(subscriber)
+        .bind(event_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .map(|r| DeliveryRow {
+            attempts: r.get("attempts"),
+            last_error: r.get("last_error"),
+            dead: r.get("dead"),
+            due_in: r.get("due_in"),
+        })
+    }
+
+    async fn delivery_count(pool: &Pool<Postgres>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM events.outbox_deliveries")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn insert_raw(
+        pool: &Pool<Postgres>,
+        event_type: &str,
+        aggregate: Uuid,
+        payload: &str,
+    ) -> i64 {
+        sqlx::query_scalar(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('probe', $1, $2, $3::jsonb) RETURNING id",
+        )
+        .bind(aggregate)
+        .bind(event_type)
+        .bind(payload)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    async fn set_payload(pool: &Pool<Postgres>, id: i64, payload: &str) {
+        sqlx::query("UPDATE events.outbox SET payload = $2::jsonb WHERE id = $1")
+            .bind(id)
+            .bind(payload)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_future_migration(pool: &Pool<Postgres>) {
+        sqlx::query(
+            "INSERT INTO events.outbox_migrations (version, description) VALUES (99, 'future')",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn create_accounts(pool: &Pool<Postgres>) {
+        sqlx::query("CREATE TABLE accounts (id UUID PRIMARY KEY, balance BIGINT NOT NULL)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_account<'c, R: Send>(
+        tx: &mut OutboxTx<'c, Postgres, R>,
+        id: Uuid,
+        balance: i64,
+    ) {
+        sqlx::query("INSERT INTO accounts VALUES ($1, $2)")
+            .bind(id)
+            .bind(balance)
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+
+    async fn account_count(pool: &Pool<Postgres>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM accounts")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// A SQLite database file in a directory of its own, removed when dropped.
+pub struct SqliteFile {
+    _dir: tempfile::TempDir,
+}
+
+impl TestBackend for Sqlite {
+    type Guard = SqliteFile;
+    const NAME: &'static str = "sqlite";
+
+    async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let path = dir.path().join("outbox.db");
+        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
+            .expect("a SQLite URL")
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(std::time::Duration::from_secs(10));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .expect("open the SQLite file");
+        (SqliteFile { _dir: dir }, pool)
+    }
+
+    async fn events(pool: &Pool<Sqlite>) -> Vec<EventRow> {
+        let now = OffsetDateTime::now_utc().unix_timestamp_nanos() / 1000;
+        sqlx::query(
+            "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                    published_at IS NOT NULL AS published, dead_at IS NOT NULL AS dead,
+                    retry_count AS parked, last_error,
+                    coalesce(next_retry_at > $1, 0) AS waiting
+             FROM outbox ORDER BY id",
+        )
+        .bind(i64::try_from(now).unwrap())
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| EventRow {
+            id: r.get("id"),
+            aggregate_type: r.get("aggregate_type"),
+            aggregate_id: r.get("aggregate_id"),
+            event_type: r.get("event_type"),
+            payload: r.get("payload"),
+            occurred_at: OffsetDateTime::from_unix_timestamp_nanos(
+                i128::from(r.get::<i64, _>("occurred_at")) * 1000,
+            )
+            .unwrap(),
+            published: r.get("published"),
+            dead: r.get("dead"),
+            parked: r.get("parked"),
+            last_error: r.get("last_error"),
+            waiting: r.get("waiting"),
+        })
+        .collect()
+    }
+
+    async fn delivery(pool: &Pool<Sqlite>, subscriber: &str, event_id: i64) -> Option<DeliveryRow> {
+        let now = i64::try_from(OffsetDateTime::now_utc().unix_timestamp_nanos() / 1000).unwrap();
+        sqlx::query(
+            "SELECT attempts, last_error, dead_at IS NOT NULL AS dead,
+                    (next_retry_at - $3) / 1000000.0 AS due_in
+             FROM outbox_deliveries WHERE subscriber = $1 AND event_id = $2",
+        )
+        .bind(subscriber)
+        .bind(event_id)
+        .bind(now)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .map(|r| DeliveryRow {
+            attempts: r.get("attempts"),
+            last_error: r.get("last_error"),
+            dead: r.get("dead"),
+            due_in: r.get("due_in"),
+        })
+    }
+
+    async fn delivery_count(pool: &Pool<Sqlite>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn insert_raw(
+        pool: &Pool<Sqlite>,
+        event_type: &str,
+        aggregate: Uuid,
+        payload: &str,
+    ) -> i64 {
+        sqlx::query_scalar(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             VALUES ('probe', $1, $2, $3, 0) RETURNING id",
+        )
+        .bind(aggregate)
+        .bind(event_type)
+        .bind(payload)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    async fn set_payload(pool: &Pool<Sqlite>, id: i64, payload: &str) {
+        sqlx::query("UPDATE outbox SET payload = $2 WHERE id = $1")
+            .bind(id)
+            .bind(payload)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_future_migration(pool: &Pool<Sqlite>) {
+        sqlx::query(
+            "INSERT INTO outbox_migrations (version, description, applied_at)
+             VALUES (99, 'future', 0)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn create_accounts(pool: &Pool<Sqlite>) {
+        sqlx::query("CREATE TABLE accounts (id BLOB PRIMARY KEY, balance INTEGER NOT NULL)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_account<'c, R: Send>(tx: &mut OutboxTx<'c, Sqlite, R>, id: Uuid, balance: i64) {
+        sqlx::query("INSERT INTO accounts VALUES ($1, $2)")
+            .bind(id)
+            .bind(balance)
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+
+    async fn account_count(pool: &Pool<Sqlite>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM accounts")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// Runs each listed generic test body on PostgreSQL and on SQLite:
+/// `on_both_backends!(name_one, name_two)` defines `postgres::name_one`, `sqlite::name_one`, ...
+#[macro_export]
+macro_rules! on_both_backends {
+    ($($test:ident),* $(,)?) => {
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test::<sqlx::Postgres>().await;
+                }
+            )*
+        }
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test::<sqlx::Sqlite>().await;
+                }
+            )*
+        }
+    };
+}

@@ -1,0 +1,639 @@
+//! The relay, on PostgreSQL and on SQLite: at-least-once delivery per subscriber, retries, dead
+//! letters, parking, ordering per (subscriber, aggregate), claims that expire, shutdown and
+//! wake-ups. What only PostgreSQL can show (killed connections, sessions) is in `pg_relay.rs`.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::store::Requeue;
+use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
+use outbox_sqlx::{Outbox, SqlStore};
+use outbox_tests::backend::{TestBackend, outbox};
+use outbox_tests::kit::{
+    Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until, wait_for,
+};
+use outbox_tests::on_both_backends;
+use sqlx::Pool;
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+on_both_backends!(
+    committed_events_reach_each_routed_subscriber_exactly_once,
+    transient_failure_records_attempts_error_and_next_retry_then_delivers_after_the_delay,
+    exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow,
+    a_permanent_error_is_a_dead_letter_at_once_with_its_reason,
+    a_panicking_handler_is_a_transient_failure_not_a_crash,
+    undecodable_payloads_become_dead_letters_and_the_relay_keeps_running,
+    an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs,
+    a_payload_of_a_newer_version_is_parked_not_dead,
+    a_subscriber_that_fails_is_retried_alone,
+    a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
+    requeue_hands_dead_letters_back_to_the_relay,
+    a_dead_undecodable_event_can_be_requeued_after_a_fix,
+    an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
+    graceful_shutdown_records_the_batch_in_progress,
+    a_commit_in_this_process_wakes_an_idle_relay,
+);
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+/// Fast settings: the retry schedule in milliseconds.
+fn config() -> RelayConfig {
+    RelayConfig::default()
+        .with_poll_interval(ms(20))
+        .with_lease(Duration::from_secs(10))
+        .with_handler_timeout(Duration::from_secs(5))
+        .with_park_delay(ms(200))
+        .with_max_error_backoff(ms(200))
+        .with_retry(RetryPolicy::new([ms(50), ms(50)]).unwrap())
+}
+
+/// The outbox publishes `Ping` and `Pong`; relays may route fewer (an older build).
+type TestOutbox<B> = Outbox<B, PingPong>;
+
+async fn setup<B: TestBackend>() -> (B::Guard, TestOutbox<B>) {
+    outbox::<B, PingPong>().await
+}
+
+fn relay<B: TestBackend, R: Router>(
+    outbox: &TestOutbox<B>,
+    router: R,
+    config: RelayConfig,
+) -> Relay<SqlStore<B>, R> {
+    Relay::new(outbox.store(), router, config).expect("valid config")
+}
+
+async fn publish<B: TestBackend>(outbox: &TestOutbox<B>, events: &[Ping]) {
+    let mut tx = outbox.begin().await.unwrap();
+    for event in events {
+        tx.publish(event).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+}
+
+async fn publish_one<B: TestBackend>(outbox: &TestOutbox<B>, aggregate: Uuid, seq: u32) -> i64 {
+    publish(outbox, &[Ping { aggregate, seq }]).await;
+    B::events(outbox.pool()).await.last().unwrap().id
+}
+
+/// (attempts, last_error, dead, seconds until the next attempt) of a delivery.
+async fn delivery<B: TestBackend>(
+    pool: &Pool<B>,
+    subscriber: &str,
+    event_id: i64,
+) -> Option<(i64, Option<String>, bool, f64)> {
+    B::delivery(pool, subscriber, event_id)
+        .await
+        .map(|d| (d.attempts, d.last_error, d.dead, d.due_in))
+}
+
+/// (published, dead, times parked, last_error) of an event.
+async fn event_state<B: TestBackend>(pool: &Pool<B>, id: i64) -> (bool, bool, i64, Option<String>) {
+    let events = B::events(pool).await;
+    let e = events
+        .iter()
+        .find(|e| e.id == id)
+        .expect("the event exists");
+    (e.published, e.dead, e.parked, e.last_error.clone())
+}
+
+async fn insert_raw<B: TestBackend>(
+    pool: &Pool<B>,
+    event_type: &str,
+    aggregate: Uuid,
+    payload: &str,
+) -> i64 {
+    B::insert_raw(pool, event_type, aggregate, payload).await
+}
+
+async fn committed_events_reach_each_routed_subscriber_exactly_once<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let router = PingPong::new(&probe);
+    let relay = relay(&outbox, router, config());
+    B::create_accounts(outbox.pool()).await;
+    let a = Uuid::new_v4();
+    let mut tx = outbox.begin().await.unwrap();
+    B::insert_account(&mut tx, a, 2).await;
+    let pings = [
+        Ping {
+            aggregate: a,
+            seq: 1,
+        },
+        Ping {
+            aggregate: a,
+            seq: 2,
+        },
+    ];
+    tx.publish_all(&pings).await.unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(
+        B::account_count(outbox.pool()).await,
+        1,
+        "the domain change committed with its events"
+    );
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: a,
+        seq: 3,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    run_until(&relay, WAIT, || probe.seen().len() == 5).await;
+    // Running more batches delivers nothing again.
+    for _ in 0..3 {
+        assert_eq!(relay.run_once().await.unwrap().claimed, 0);
+    }
+    assert_eq!(probe.delivered_to("x"), [(a, 1), (a, 2), (a, 3)]);
+    assert_eq!(probe.delivered_to("y"), [(a, 1), (a, 2)]);
+    assert!(B::events(outbox.pool()).await.iter().all(|e| e.published));
+    assert_eq!(B::delivery_count(outbox.pool()).await, 0);
+}
+
+async fn transient_failure_records_attempts_error_and_next_retry_then_delivers_after_the_delay<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let config = config().with_retry(RetryPolicy::new([ms(800)]).unwrap());
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    let id = publish_one(&outbox, a, 1).await;
+
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.retried), (1, 1));
+    let (attempts, error, dead, due_in) = delivery::<B>(outbox.pool(), "x", id).await.unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(
+        error.as_deref(),
+        Some("transient error: scripted transient failure")
+    );
+    assert!(!dead);
+    assert!(due_in > 0.0 && due_in <= 0.8, "next retry in {due_in}s");
+    // The event itself is handed out; only x's delivery waits.
+    assert!(event_state::<B>(outbox.pool(), id).await.0);
+
+    // Not due yet: nothing is claimed.
+    assert_eq!(relay.run_once().await.unwrap().claimed, 0);
+    assert_eq!(probe.calls_of("x"), [(a, 1, 1)]);
+
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 1).await;
+    assert_eq!(probe.calls_of("x"), [(a, 1, 1), (a, 1, 2)]);
+    assert_eq!(delivery::<B>(outbox.pool(), "x", id).await, None);
+}
+
+async fn exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Transient, Fail::Transient, Fail::Transient],
+    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let dead_id = publish_one(&outbox, a, 1).await;
+
+    // Two retries of 50 ms, then the third failure is final.
+    run_until(&relay, WAIT, || probe.calls_of("x").len() == 3).await;
+    let (attempts, error, dead, _) = delivery::<B>(outbox.pool(), "x", dead_id).await.unwrap();
+    assert_eq!((attempts, dead), (3, true));
+    assert_eq!(
+        error.as_deref(),
+        Some("transient error: scripted transient failure")
+    );
+
+    // Events of another aggregate keep flowing past it.
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: b,
+                seq: 1,
+            },
+            Ping {
+                aggregate: b,
+                seq: 2,
+            },
+        ],
+    )
+    .await;
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
+    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
+
+    // The dead letter is never claimed again.
+    tokio::time::sleep(ms(120)).await; // longer than any retry delay of this policy
+    for _ in 0..3 {
+        assert_eq!(relay.run_once().await.unwrap().claimed, 0);
+    }
+    assert_eq!(probe.calls_of("x").iter().filter(|c| c.0 == a).count(), 3);
+
+    // Retention removes the published events of b, not the dead letter's event.
+    let purged = outbox.purge_published(Duration::ZERO, 1).await.unwrap();
+    assert_eq!(purged, 2);
+    let left: Vec<i64> = B::events(outbox.pool())
+        .await
+        .iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(left, [dead_id]);
+    assert!(delivery::<B>(outbox.pool(), "x", dead_id).await.unwrap().2);
+}
+
+async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    let relay = relay(&outbox, XAndY::new(&probe), config());
+    let id = publish_one(&outbox, a, 1).await;
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.delivered, report.dead), (1, 1));
+    let (attempts, error, dead, _) = delivery::<B>(outbox.pool(), "x", id).await.unwrap();
+    assert_eq!((attempts, dead), (1, true));
+    assert_eq!(
+        error.as_deref(),
+        Some("permanent error: scripted permanent failure")
+    );
+    assert_eq!(probe.delivered_to("y"), [(a, 1)]);
+}
+
+async fn a_panicking_handler_is_a_transient_failure_not_a_crash<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Panic]);
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let id = publish_one(&outbox, a, 1).await;
+    assert_eq!(relay.run_once().await.unwrap().retried, 1);
+    let (attempts, error, _, _) = delivery::<B>(outbox.pool(), "x", id).await.unwrap();
+    assert_eq!(attempts, 1);
+    assert_eq!(
+        error.as_deref(),
+        Some("transient error: handler panicked: scripted panic")
+    );
+    run_until(&relay, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
+}
+
+async fn undecodable_payloads_become_dead_letters_and_the_relay_keeps_running<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let relay = Arc::new(relay(&outbox, OnlyX::new(&probe), config()));
+    let wrong_shape = insert_raw::<B>(
+        outbox.pool(),
+        "Ping",
+        Uuid::new_v4(),
+        r#"{"version":1,"data":{"seq":"one"}}"#,
+    )
+    .await;
+    let not_envelope = insert_raw::<B>(
+        outbox.pool(),
+        "Ping",
+        Uuid::new_v4(),
+        r#"{"hello":"world"}"#,
+    )
+    .await;
+    let stop = Arc::new(Notify::new());
+    let worker = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop.notified()).await }
+    });
+    let good = Uuid::new_v4();
+    publish_one(&outbox, good, 1).await;
+    wait_for(|| probe.delivered_to("x") == [(good, 1)]).await;
+    stop.notify_one();
+    worker.await.unwrap();
+
+    let (published, dead, _, reason) = event_state::<B>(outbox.pool(), wrong_shape).await;
+    assert!(!published && dead);
+    let reason = reason.unwrap();
+    assert!(
+        reason.starts_with("`data` of a version 1 `Ping` payload does not fit the event"),
+        "{reason}"
+    );
+    let (published, dead, _, reason) = event_state::<B>(outbox.pool(), not_envelope).await;
+    assert!(!published && dead);
+    assert!(
+        reason
+            .unwrap()
+            .starts_with("payload is not an outbox envelope: missing field `version`")
+    );
+    assert!(probe.seen().iter().all(|s| s.aggregate == good));
+}
+
+async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let old_build = relay(&outbox, OnlyX::new(&probe), config());
+    let a = Uuid::new_v4();
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: a,
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let id = B::events(outbox.pool()).await[0].id;
+
+    assert_eq!(old_build.run_once().await.unwrap().parked, 1);
+    let (published, dead, parked, reason) = event_state::<B>(outbox.pool(), id).await;
+    assert!(!published && !dead);
+    assert_eq!(parked, 1);
+    assert_eq!(
+        reason.as_deref(),
+        Some("no subscriber in this build knows event type `Pong`")
+    );
+
+    let new_build = relay(&outbox, PingPong::new(&probe), config());
+    run_until(&new_build, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
+    assert!(event_state::<B>(outbox.pool(), id).await.0);
+}
+
+async fn a_payload_of_a_newer_version_is_parked_not_dead<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let a = Uuid::new_v4();
+    let id = insert_raw::<B>(
+        outbox.pool(),
+        "Ping",
+        a,
+        &format!(r#"{{"version":2,"data":{{"aggregate":"{a}","seq":1,"colour":"red"}}}}"#),
+    )
+    .await;
+    let later = publish_one(&outbox, a, 2).await;
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(report.parked, 1);
+    let (published, dead, parked, reason) = event_state::<B>(outbox.pool(), id).await;
+    assert!(!published && !dead);
+    assert_eq!(parked, 1);
+    assert_eq!(
+        reason.as_deref(),
+        Some(
+            "`Ping` payload version 2 is newer than version 1 known to this build: run the newer code to deliver it"
+        )
+    );
+    // The aggregate's later event waits behind it: order is kept.
+    assert!(!event_state::<B>(outbox.pool(), later).await.0);
+    assert!(probe.seen().is_empty());
+}
+
+async fn a_subscriber_that_fails_is_retried_alone<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let relay = relay(&outbox, XAndY::new(&probe), config());
+    publish_one(&outbox, a, 1).await;
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 1).await;
+    for _ in 0..3 {
+        relay.run_once().await.unwrap();
+    }
+    assert_eq!(probe.calls_of("y"), [(a, 1, 1)]);
+    assert_eq!(probe.calls_of("x"), [(a, 1, 1), (a, 1, 2)]);
+}
+
+async fn a_failing_event_holds_back_its_aggregate_for_that_subscriber_only<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient, Fail::Transient]);
+    let config = config().with_retry(RetryPolicy::new([ms(300), ms(300)]).unwrap());
+    let relay = relay(&outbox, XAndY::new(&probe), config);
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: a,
+                seq: 1,
+            },
+            Ping {
+                aggregate: b,
+                seq: 1,
+            },
+            Ping {
+                aggregate: a,
+                seq: 2,
+            },
+            Ping {
+                aggregate: b,
+                seq: 2,
+            },
+            Ping {
+                aggregate: a,
+                seq: 3,
+            },
+        ],
+    )
+    .await;
+
+    // First pass: y gets everything, x gets b's events, and a's later events wait for x.
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.retried, report.waiting), (5, 1, 2));
+    assert_eq!(
+        probe.delivered_to("y"),
+        [(a, 1), (b, 1), (a, 2), (b, 2), (a, 3)]
+    );
+    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
+    // More events of b flow while a is held back for x.
+    publish(
+        &outbox,
+        &[Ping {
+            aggregate: b,
+            seq: 3,
+        }],
+    )
+    .await;
+    relay.run_once().await.unwrap();
+    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2), (b, 3)]);
+    assert!(!probe.calls_of("x").contains(&(a, 2, 1)));
+
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 6).await;
+    let x_on_a: Vec<(u32, u32)> = probe
+        .calls_of("x")
+        .into_iter()
+        .filter(|c| c.0 == a)
+        .map(|c| (c.1, c.2))
+        .collect();
+    // a1 failed twice, then a1, a2, a3 in commit order, each handed over once.
+    assert_eq!(x_on_a, [(1, 1), (1, 2), (1, 3), (2, 1), (3, 1)]);
+    // y took each of the six events once.
+    assert_eq!(
+        probe.calls_of("y"),
+        [
+            (a, 1, 1),
+            (b, 1, 1),
+            (a, 2, 1),
+            (b, 2, 1),
+            (a, 3, 1),
+            (b, 3, 1)
+        ]
+    );
+}
+
+async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    probe.fail("x", b, 1, [Fail::Permanent]);
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let a_id = publish_one(&outbox, a, 1).await;
+    let b_id = publish_one(&outbox, b, 1).await;
+    run_until(&relay, WAIT, || probe.calls_of("x").len() == 2).await;
+    assert!(delivery::<B>(outbox.pool(), "x", a_id).await.unwrap().2);
+
+    // By event id.
+    assert_eq!(
+        outbox.requeue(&Requeue::Events(vec![a_id])).await.unwrap(),
+        1
+    );
+    let (attempts, _, dead, _) = delivery::<B>(outbox.pool(), "x", a_id).await.unwrap();
+    assert_eq!((attempts, dead), (0, false));
+    run_until(&relay, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
+    assert_eq!(delivery::<B>(outbox.pool(), "x", a_id).await, None);
+
+    // Every dead letter of a subscriber.
+    assert_eq!(
+        outbox
+            .requeue(&Requeue::Subscriber("x".into()))
+            .await
+            .unwrap(),
+        1
+    );
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
+    assert_eq!(delivery::<B>(outbox.pool(), "x", b_id).await, None);
+    // Nothing left to requeue.
+    assert_eq!(
+        outbox
+            .requeue(&Requeue::Subscriber("x".into()))
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+async fn a_dead_undecodable_event_can_be_requeued_after_a_fix<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let a = Uuid::new_v4();
+    let id = insert_raw::<B>(
+        outbox.pool(),
+        "Ping",
+        a,
+        r#"{"version":1,"data":{"seq":1}}"#,
+    )
+    .await;
+    relay.run_once().await.unwrap();
+    assert!(event_state::<B>(outbox.pool(), id).await.1);
+    // An operator repairs the payload, then requeues the event.
+    let repaired = format!(r#"{{"version":1,"data":{{"aggregate":"{a}","seq":1}}}}"#);
+    B::set_payload(outbox.pool(), id, &repaired).await;
+    assert_eq!(outbox.requeue(&Requeue::Events(vec![id])).await.unwrap(), 1);
+    run_until(&relay, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
+}
+
+async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let entered = Arc::new(Notify::new());
+    let never = Arc::new(Notify::new());
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: never,
+        }],
+    );
+    let lease = Duration::from_secs(1);
+    let short = config().with_lease(lease).with_handler_timeout(ms(500));
+    let first = relay(&outbox, OnlyX::new(&probe), short.clone());
+    let id = publish_one(&outbox, a, 1).await;
+    let task = tokio::spawn(async move { first.run_once().await });
+    entered.notified().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    let claimed_at = tokio::time::Instant::now();
+
+    let second = relay(&outbox, OnlyX::new(&probe), short);
+    // The claim still holds: nothing for the second relay yet.
+    assert_eq!(second.run_once().await.unwrap().claimed, 0);
+    run_until(&second, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
+    assert!(
+        claimed_at.elapsed() >= lease - ms(100),
+        "taken again after {:?}",
+        claimed_at.elapsed()
+    );
+    assert!(event_state::<B>(outbox.pool(), id).await.0);
+}
+
+async fn graceful_shutdown_records_the_batch_in_progress<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    let relay = relay(&outbox, OnlyX::new(&probe), config());
+    let id = publish_one(&outbox, a, 1).await;
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let worker = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    entered.notified().await;
+    stop_tx.send(()).unwrap();
+    release.notify_one();
+    tokio::time::timeout(WAIT, worker)
+        .await
+        .expect("run returns after shutdown")
+        .unwrap();
+    assert!(
+        event_state::<B>(outbox.pool(), id).await.0,
+        "the batch in progress was recorded"
+    );
+    assert_eq!(probe.delivered_to("x"), [(a, 1)]);
+}
+
+async fn a_commit_in_this_process_wakes_an_idle_relay<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let store = WatchedStore::new(outbox.store());
+    let idle = store.idle.clone();
+    let sleepy = config().with_poll_interval(Duration::from_secs(3600));
+    let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    // The relay found nothing; from here only a wake-up makes it claim within the hour.
+    idle.notified().await;
+    let a = Uuid::new_v4();
+    publish_one(&outbox, a, 1).await;
+    wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    worker.abort();
+}
