@@ -53,7 +53,8 @@
 //!
 //! # Features
 //!
-//! - `derive` (default): re-exports `#[derive(OutboxEvent)]`.
+//! - `derive` (default): re-exports `#[derive(OutboxEvent)]`, `#[subscriber]` and `#[router]`.
+//! - `testing`: [`testing`], a kit to test services and subscribers without a database.
 #![doc(test(attr(deny(warnings))))]
 
 mod envelope;
@@ -64,6 +65,8 @@ mod relay;
 mod retry;
 mod routing;
 pub mod store;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use envelope::{Envelope, Metadata, RawEnvelope, TraceContext, decode, encode};
 pub use error::{ConfigError, DecodeError, EncodeError, PublishError, StoreError};

@@ -172,6 +172,13 @@ impl HandlerError {
     pub fn error(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
         &*self.error
     }
+
+    /// The error as a boxed `std::error::Error`, its message saying whether it is transient: for
+    /// `?` in a function returning `Box<dyn Error>`, such as a test. (`HandlerError` is not an
+    /// `Error` itself: that is what lets any error convert into it.)
+    pub fn into_error(self) -> BoxError {
+        self.to_string().into()
+    }
 }
 
 impl<E: Into<BoxError>> From<E> for HandlerError {

@@ -1,0 +1,698 @@
+//! A test kit for code that publishes and handles events, with no database (feature `testing`).
+//!
+//! - [`RecordingPublisher`] implements the [`Publish`] port: hand it to a domain service and assert
+//!   what the service published.
+//! - [`TestDelivery`] hands one event to one subscriber or observer, once or twice: test a handler
+//!   alone, and prove it idempotent.
+//! - [`MemoryStore`] is a [`Store`] in memory with a [`ManualClock`]; [`drain`] runs a relay over
+//!   it until nothing is due, so retry schedules are tested by moving the clock, not by waiting.
+//!
+//! ```
+//! use outbox_core::testing::{MemoryStore, RecordingPublisher, TestDelivery, drain};
+//! use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, Publish, PublishError, Relay, RelayConfig, router, subscriber};
+//! use serde::{Deserialize, Serialize};
+//! use uuid::Uuid;
+//!
+//! #[derive(Debug, PartialEq, Serialize, Deserialize, OutboxEvent)]
+//! #[outbox(aggregate_type = "subscription")]
+//! struct SubscriptionStarted {
+//!     #[outbox(aggregate_id)]
+//!     subscription_id: Uuid,
+//! }
+//!
+//! // The domain service, written against the port.
+//! async fn start(events: &mut impl Publish<SubscriptionStarted>, id: Uuid) -> Result<(), PublishError> {
+//!     events.publish(&SubscriptionStarted { subscription_id: id }).await
+//! }
+//!
+//! #[subscriber(events = [SubscriptionStarted])]
+//! struct Licensing;
+//!
+//! impl Handle<SubscriptionStarted> for Licensing {
+//!     async fn handle(&self, _: &SubscriptionStarted, _: &Delivery<'_>) -> Result<(), HandlerError> {
+//!         Ok(())
+//!     }
+//! }
+//!
+//! #[router(events = [SubscriptionStarted])]
+//! struct App {
+//!     licensing: Licensing,
+//! }
+//!
+//! # tokio::runtime::Builder::new_current_thread().enable_time().build().unwrap().block_on(async {
+//! let id = Uuid::nil();
+//! let mut publisher = RecordingPublisher::new();
+//! start(&mut publisher, id).await?;
+//! assert_eq!(publisher.events::<SubscriptionStarted>(), [SubscriptionStarted { subscription_id: id }]);
+//!
+//! // The handler alone, delivered twice: it must be idempotent.
+//! TestDelivery::of(&SubscriptionStarted { subscription_id: id })
+//!     .twice_to(&Licensing)
+//!     .await
+//!     .map_err(HandlerError::into_error)?;
+//!
+//! // The whole flow, in memory.
+//! let store = MemoryStore::new();
+//! store.commit(publisher);
+//! let relay = Relay::new(store.clone(), App { licensing: Licensing }, RelayConfig::default())?;
+//! let report = drain(&relay).await?;
+//! assert_eq!(report.delivered, 1);
+//! assert_eq!(store.pending(), 0);
+//! # Ok::<(), outbox_core::BoxError>(())
+//! # }).unwrap();
+//! ```
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use time::OffsetDateTime;
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+use crate::envelope::{Metadata, decode, encode};
+use crate::error::{EncodeError, PublishError, StoreError};
+use crate::event::OutboxEvent;
+use crate::publish::Publish;
+use crate::relay::{BatchReport, Relay};
+use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
+use crate::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Store, StoredEvent};
+
+/// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Recorded {
+    /// The event type.
+    pub event_type: &'static str,
+    /// The aggregate type.
+    pub aggregate_type: &'static str,
+    /// The aggregate id.
+    pub aggregate_id: Uuid,
+    /// The encoded envelope.
+    pub payload: String,
+    /// The event's own `occurred_at`, if it has one.
+    pub occurred_at: Option<OffsetDateTime>,
+}
+
+/// A publisher that records what it is given, for unit tests of domain services.
+///
+/// It implements [`Publish<E>`] for every event, encodes each event as the outbox would (so an
+/// event that cannot be encoded fails here too), and decodes them back on request.
+#[derive(Debug, Default, Clone)]
+pub struct RecordingPublisher {
+    records: Vec<Recorded>,
+    metadata: Metadata,
+}
+
+impl RecordingPublisher {
+    /// An empty publisher.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the metadata `publish` and `publish_all` use, as a transaction's would.
+    pub fn set_metadata(&mut self, metadata: Metadata) {
+        self.metadata = metadata;
+    }
+
+    /// Everything published, in order.
+    pub fn records(&self) -> &[Recorded] {
+        &self.records
+    }
+
+    /// The event types published, in order.
+    pub fn event_types(&self) -> Vec<&'static str> {
+        self.records.iter().map(|r| r.event_type).collect()
+    }
+
+    /// The published events of type `E`, decoded from their payloads, in order.
+    ///
+    /// # Panics
+    ///
+    /// If a recorded `E` does not decode: it was encoded by this publisher, so that is a bug in
+    /// the event's serde implementation, which the test should show.
+    pub fn events<E: OutboxEvent>(&self) -> Vec<E> {
+        self.records
+            .iter()
+            .filter(|r| r.event_type == E::EVENT_TYPE)
+            .map(|r| match decode::<E>(&r.payload) {
+                Ok(envelope) => envelope.event,
+                Err(error) => panic!("a recorded `{}` does not decode: {error}", E::EVENT_TYPE),
+            })
+            .collect()
+    }
+
+    /// How many events were published.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// Whether nothing was published.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    fn record<E: OutboxEvent>(
+        &mut self,
+        event: &E,
+        metadata: &Metadata,
+    ) -> Result<(), EncodeError> {
+        self.records.push(Recorded {
+            event_type: E::EVENT_TYPE,
+            aggregate_type: E::AGGREGATE_TYPE,
+            aggregate_id: event.aggregate_id(),
+            payload: encode(event, metadata)?,
+            occurred_at: event.occurred_at(),
+        });
+        Ok(())
+    }
+}
+
+impl<E: OutboxEvent> Publish<E> for RecordingPublisher {
+    async fn publish(&mut self, event: &E) -> Result<(), PublishError> {
+        let metadata = self.metadata.clone();
+        Ok(self.record(event, &metadata)?)
+    }
+
+    async fn publish_with(&mut self, event: &E, metadata: &Metadata) -> Result<(), PublishError> {
+        Ok(self.record(event, metadata)?)
+    }
+
+    async fn publish_all<'e>(
+        &mut self,
+        events: impl IntoIterator<Item = &'e E> + Send,
+    ) -> Result<(), PublishError>
+    where
+        E: 'e,
+    {
+        let metadata = self.metadata.clone();
+        for event in events {
+            self.record(event, &metadata)?;
+        }
+        Ok(())
+    }
+}
+
+/// One event, stored and decoded as the relay would have it, ready to hand to a subscriber.
+#[derive(Debug)]
+pub struct TestDelivery {
+    stored: StoredEvent,
+    decoded: Decoded,
+    attempt: u32,
+}
+
+impl TestDelivery {
+    /// `event` as stored event 1, with empty metadata, on its first attempt.
+    ///
+    /// # Panics
+    ///
+    /// If the event cannot be encoded or decoded: the test should show that first.
+    pub fn of<E: OutboxEvent>(event: &E) -> Self {
+        Self::with_metadata(event, &Metadata::new())
+    }
+
+    /// `event` as stored event 1 with `metadata`, on its first attempt.
+    ///
+    /// # Panics
+    ///
+    /// If the event cannot be encoded or decoded.
+    pub fn with_metadata<E: OutboxEvent>(event: &E, metadata: &Metadata) -> Self {
+        let payload = encode(event, metadata)
+            .unwrap_or_else(|e| panic!("the test event does not encode: {e}"));
+        let stored = StoredEvent {
+            id: 1,
+            aggregate_type: E::AGGREGATE_TYPE.to_owned(),
+            aggregate_id: event.aggregate_id(),
+            event_type: E::EVENT_TYPE.to_owned(),
+            payload,
+            occurred_at: event.occurred_at().unwrap_or_else(OffsetDateTime::now_utc),
+        };
+        let decoded = Decoded::decode::<E>(&stored)
+            .unwrap_or_else(|e| panic!("the test event does not decode: {e}"));
+        Self {
+            stored,
+            decoded,
+            attempt: 1,
+        }
+    }
+
+    /// Sets the stored event's id (handlers that key on it, such as an audit log, see it).
+    #[must_use]
+    pub fn id(mut self, id: i64) -> Self {
+        self.stored.id = id;
+        self
+    }
+
+    /// Sets which attempt this is, from 1.
+    #[must_use]
+    pub fn attempt(mut self, attempt: u32) -> Self {
+        self.attempt = attempt;
+        self
+    }
+
+    /// The stored event.
+    pub fn stored(&self) -> &StoredEvent {
+        &self.stored
+    }
+
+    /// Hands the event to `subscriber`, as the relay would.
+    pub async fn to<S: Subscriber>(&self, subscriber: &S) -> Result<(), HandlerError> {
+        let delivery = Delivery::new(&self.stored, self.decoded.metadata(), S::NAME, self.attempt);
+        subscriber.deliver(&self.decoded, &delivery).await
+    }
+
+    /// Hands the event to `subscriber` twice, the second time as a redelivery of the same event:
+    /// at-least-once delivery does that, so a handler must give the same result.
+    pub async fn twice_to<S: Subscriber>(&self, subscriber: &S) -> Result<(), HandlerError> {
+        self.to(subscriber).await?;
+        let again = Delivery::new(
+            &self.stored,
+            self.decoded.metadata(),
+            S::NAME,
+            self.attempt.saturating_add(1),
+        );
+        subscriber.deliver(&self.decoded, &again).await
+    }
+
+    /// Hands the event to `observer`.
+    pub async fn to_observer<O: Observer>(&self, observer: &O) -> Result<(), HandlerError> {
+        let delivery = Delivery::new(&self.stored, self.decoded.metadata(), O::NAME, self.attempt);
+        observer.observe(&delivery).await
+    }
+}
+
+/// A clock that moves only when told: the time of a [`MemoryStore`].
+#[derive(Debug, Clone)]
+pub struct ManualClock {
+    now: Arc<Mutex<OffsetDateTime>>,
+}
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self::starting_at(OffsetDateTime::now_utc())
+    }
+}
+
+impl ManualClock {
+    /// A clock at `time`.
+    pub fn starting_at(time: OffsetDateTime) -> Self {
+        Self {
+            now: Arc::new(Mutex::new(time)),
+        }
+    }
+
+    /// The clock's time.
+    pub fn now(&self) -> OffsetDateTime {
+        *lock(&self.now)
+    }
+
+    /// Moves the clock forward.
+    pub fn advance(&self, by: Duration) {
+        let mut now = lock(&self.now);
+        *now = now.saturating_add(time::Duration::try_from(by).unwrap_or(time::Duration::MAX));
+    }
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding the lock leaves plain data behind; the test that panicked reports it.
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+/// An event in a [`MemoryStore`], as a test looks at it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryEvent {
+    /// The stored event.
+    pub stored: StoredEvent,
+    /// Handed to every subscriber (or to its own delivery).
+    pub published: bool,
+    /// Never decodable: a dead letter.
+    pub dead: bool,
+    /// Times parked.
+    pub parked: u32,
+    /// Why it was parked or is dead.
+    pub last_error: Option<String>,
+}
+
+/// A subscriber's pending delivery in a [`MemoryStore`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemoryDelivery {
+    /// The subscriber.
+    pub subscriber: String,
+    /// The event.
+    pub event_id: i64,
+    /// Failed attempts.
+    pub attempts: u32,
+    /// The last error.
+    pub last_error: Option<String>,
+    /// When it is next due.
+    pub next_attempt_at: OffsetDateTime,
+    /// A dead letter.
+    pub dead: bool,
+}
+
+#[derive(Debug)]
+struct EventRow {
+    event: MemoryEvent,
+    next_retry_at: Option<OffsetDateTime>,
+    claimed_until: Option<OffsetDateTime>,
+}
+
+#[derive(Debug)]
+struct DeliveryRow {
+    delivery: MemoryDelivery,
+    aggregate_id: Uuid,
+    claimed_until: Option<OffsetDateTime>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    next_id: i64,
+    events: BTreeMap<i64, EventRow>,
+    /// Keyed by (event id, subscriber): iteration is in event id order.
+    deliveries: BTreeMap<(i64, String), DeliveryRow>,
+}
+
+/// A [`Store`] in memory, with the same semantics as the database stores, on a [`ManualClock`].
+///
+/// Committed events go in with [`commit`](Self::commit) or [`publish`](Self::publish). Cheap to
+/// clone; clones share the data.
+#[derive(Debug, Clone, Default)]
+pub struct MemoryStore {
+    state: Arc<Mutex<State>>,
+    clock: ManualClock,
+    wake: Arc<Notify>,
+}
+
+impl MemoryStore {
+    /// An empty store on a clock of its own, starting now.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An empty store on `clock`.
+    pub fn with_clock(clock: ManualClock) -> Self {
+        Self {
+            clock,
+            ..Self::default()
+        }
+    }
+
+    /// The store's clock.
+    pub fn clock(&self) -> &ManualClock {
+        &self.clock
+    }
+
+    /// Stores what `publisher` recorded, as one committed transaction.
+    pub fn commit(&self, publisher: RecordingPublisher) {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        for record in publisher.records {
+            state.next_id += 1;
+            let id = state.next_id;
+            state.events.insert(
+                id,
+                EventRow {
+                    event: MemoryEvent {
+                        stored: StoredEvent {
+                            id,
+                            aggregate_type: record.aggregate_type.to_owned(),
+                            aggregate_id: record.aggregate_id,
+                            event_type: record.event_type.to_owned(),
+                            payload: record.payload,
+                            occurred_at: record.occurred_at.unwrap_or(now),
+                        },
+                        published: false,
+                        dead: false,
+                        parked: 0,
+                        last_error: None,
+                    },
+                    next_retry_at: None,
+                    claimed_until: None,
+                },
+            );
+        }
+        drop(state);
+        self.wake.notify_one();
+    }
+
+    /// Stores one event, as its own committed transaction.
+    pub fn publish<E: OutboxEvent>(&self, event: &E) -> Result<(), EncodeError> {
+        let mut publisher = RecordingPublisher::new();
+        publisher.record(event, &Metadata::new())?;
+        self.commit(publisher);
+        Ok(())
+    }
+
+    /// Every event, in id order.
+    pub fn events(&self) -> Vec<MemoryEvent> {
+        lock(&self.state)
+            .events
+            .values()
+            .map(|row| row.event.clone())
+            .collect()
+    }
+
+    /// Every pending delivery, in event id order.
+    pub fn deliveries(&self) -> Vec<MemoryDelivery> {
+        lock(&self.state)
+            .deliveries
+            .values()
+            .map(|row| row.delivery.clone())
+            .collect()
+    }
+
+    /// Events not yet published plus deliveries not yet delivered (dead letters included).
+    pub fn pending(&self) -> usize {
+        let state = lock(&self.state);
+        state.events.values().filter(|r| !r.event.published).count() + state.deliveries.len()
+    }
+}
+
+fn expired(claimed_until: Option<OffsetDateTime>, now: OffsetDateTime) -> bool {
+    claimed_until.is_none_or(|until| until < now)
+}
+
+fn after(now: OffsetDateTime, delay: Duration) -> OffsetDateTime {
+    now.saturating_add(time::Duration::try_from(delay).unwrap_or(time::Duration::MAX))
+}
+
+impl Store for MemoryStore {
+    async fn claim(&self, limit: u32, lease: Duration) -> Result<Vec<Claim>, StoreError> {
+        let now = self.clock.now();
+        let until = after(now, lease);
+        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+
+        let candidates: Vec<(i64, Uuid)> = state
+            .events
+            .values()
+            .filter(|row| {
+                !row.event.published
+                    && !row.event.dead
+                    && row.next_retry_at.is_none_or(|at| at <= now)
+                    && expired(row.claimed_until, now)
+            })
+            .take(limit)
+            .map(|row| (row.event.stored.id, row.event.stored.aggregate_id))
+            .collect();
+        let candidate_ids: BTreeSet<i64> = candidates.iter().map(|c| c.0).collect();
+        let mut claims = Vec::new();
+        for (id, aggregate) in candidates {
+            let held_back = state.events.values().any(|e| {
+                e.event.stored.aggregate_id == aggregate
+                    && e.event.stored.id < id
+                    && !e.event.published
+                    && !candidate_ids.contains(&e.event.stored.id)
+            });
+            if held_back {
+                continue;
+            }
+            let blocked: BTreeSet<String> = state
+                .deliveries
+                .values()
+                .filter(|d| d.aggregate_id == aggregate)
+                .map(|d| d.delivery.subscriber.clone())
+                .collect();
+            let Some(row) = state.events.get_mut(&id) else {
+                continue;
+            };
+            row.claimed_until = Some(until);
+            claims.push(Claim::Event {
+                event: row.event.stored.clone(),
+                parked: row.event.parked,
+                blocked: blocked.into_iter().collect(),
+            });
+        }
+
+        let due: Vec<(i64, String)> = state
+            .deliveries
+            .iter()
+            .filter(|(key, row)| {
+                !row.delivery.dead
+                    && row.delivery.next_attempt_at <= now
+                    && expired(row.claimed_until, now)
+                    && !state.deliveries.iter().any(|(other, o)| {
+                        other.1 == key.1 && o.aggregate_id == row.aggregate_id && other.0 < key.0
+                    })
+            })
+            .take(limit)
+            .map(|(key, _)| key.clone())
+            .collect();
+        for key in due {
+            let Some(event) = state.events.get(&key.0).map(|e| e.event.stored.clone()) else {
+                continue;
+            };
+            let Some(row) = state.deliveries.get_mut(&key) else {
+                continue;
+            };
+            row.claimed_until = Some(until);
+            claims.push(Claim::Delivery {
+                event,
+                subscriber: key.1,
+                attempts: row.delivery.attempts,
+            });
+        }
+        claims.sort_by(|a, b| {
+            let key = |c: &Claim| match c {
+                Claim::Event { event, .. } => (event.id, None),
+                Claim::Delivery {
+                    event, subscriber, ..
+                } => (event.id, Some(subscriber.clone())),
+            };
+            key(a).cmp(&key(b))
+        });
+        Ok(claims)
+    }
+
+    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        for (id, outcome) in &outcomes.events {
+            let Some(row) = state.events.get_mut(id) else {
+                continue;
+            };
+            row.claimed_until = None;
+            match outcome {
+                EventOutcome::Published => row.event.published = true,
+                EventOutcome::Parked { reason, retry_in } => {
+                    row.event.parked += 1;
+                    row.event.last_error = Some(reason.clone());
+                    row.next_retry_at = Some(after(now, *retry_in));
+                }
+                EventOutcome::Dead { reason } => {
+                    row.event.dead = true;
+                    row.event.last_error = Some(reason.clone());
+                }
+                EventOutcome::Released => {}
+            }
+        }
+        for record in &outcomes.deliveries {
+            let key = (record.event_id, record.subscriber.clone());
+            let (attempts, last_error, next_attempt_at, dead) = match &record.outcome {
+                DeliveryOutcome::Delivered => {
+                    state.deliveries.remove(&key);
+                    continue;
+                }
+                DeliveryOutcome::Released => {
+                    if let Some(row) = state.deliveries.get_mut(&key) {
+                        row.claimed_until = None;
+                    }
+                    continue;
+                }
+                DeliveryOutcome::Waiting => (0, None, now, false),
+                DeliveryOutcome::Retry {
+                    attempts,
+                    error,
+                    retry_in,
+                } => (*attempts, Some(error.clone()), after(now, *retry_in), false),
+                DeliveryOutcome::Dead { attempts, error } => {
+                    (*attempts, Some(error.clone()), now, true)
+                }
+            };
+            state.deliveries.insert(
+                key,
+                DeliveryRow {
+                    delivery: MemoryDelivery {
+                        subscriber: record.subscriber.clone(),
+                        event_id: record.event_id,
+                        attempts,
+                        last_error,
+                        next_attempt_at,
+                        dead,
+                    },
+                    aggregate_id: record.aggregate_id,
+                    claimed_until: None,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        let mut changed = 0;
+        let mut reset = |row: &mut DeliveryRow| {
+            row.delivery.dead = false;
+            row.delivery.attempts = 0;
+            row.delivery.last_error = None;
+            row.delivery.next_attempt_at = now;
+            row.claimed_until = None;
+            changed += 1;
+        };
+        match which {
+            Requeue::Events(ids) => {
+                for row in state.deliveries.values_mut() {
+                    if row.delivery.dead && ids.contains(&row.delivery.event_id) {
+                        reset(row);
+                    }
+                }
+                for id in ids {
+                    if let Some(row) = state.events.get_mut(id)
+                        && !row.event.published
+                        && (row.event.dead || row.next_retry_at.is_some())
+                    {
+                        row.event.dead = false;
+                        row.event.parked = 0;
+                        row.event.last_error = None;
+                        row.next_retry_at = None;
+                        row.claimed_until = None;
+                        changed += 1;
+                    }
+                }
+            }
+            Requeue::Subscriber(subscriber) => {
+                for row in state.deliveries.values_mut() {
+                    if row.delivery.dead && &row.delivery.subscriber == subscriber {
+                        reset(row);
+                    }
+                }
+            }
+        }
+        Ok(changed)
+    }
+
+    async fn notified(&self) {
+        self.wake.notified().await;
+    }
+}
+
+/// Runs batches until one finds nothing to do, and returns their reports added up. With a
+/// [`MemoryStore`], work scheduled for later (a retry, a parked event) waits for its
+/// [`ManualClock`] to be moved past it.
+pub async fn drain<S: Store, R: Router>(relay: &Relay<S, R>) -> Result<BatchReport, StoreError> {
+    let mut total = BatchReport::default();
+    loop {
+        let report = relay.run_once().await?;
+        if report.claimed == 0 || report.claimed == report.released {
+            return Ok(total);
+        }
+        total.claimed += report.claimed;
+        total.delivered += report.delivered;
+        total.retried += report.retried;
+        total.dead += report.dead;
+        total.parked += report.parked;
+        total.waiting += report.waiting;
+        total.released += report.released;
+    }
+}
