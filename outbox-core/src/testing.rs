@@ -2,8 +2,8 @@
 //!
 //! - [`RecordingPublisher`] implements the [`Publish`] port: hand it to a domain service and assert
 //!   what the service published.
-//! - [`TestDelivery`] hands one event to one subscriber or observer, once or twice: test a handler
-//!   alone, and prove it idempotent.
+//! - [`TestDelivery`] hands one event to one subscriber or observer, or through a whole router,
+//!   once or twice: test a handler alone, and prove it idempotent.
 //! - [`MemoryStore`] is a [`Store`] in memory with a [`ManualClock`]; [`drain`] runs a relay over
 //!   it until nothing is due, so retry schedules are tested by moving the clock, not by waiting.
 //!
@@ -271,6 +271,27 @@ impl TestDelivery {
             self.attempt.saturating_add(1),
         );
         subscriber.deliver(&self.decoded, &again).await
+    }
+
+    /// Hands the event to every subscriber `router` routes it to, in the router's order, as the
+    /// relay's first pass would; stops at the first error.
+    pub async fn through<R: Router>(&self, router: &R) -> Result<(), HandlerError> {
+        let subscribers = router.subscribers(&self.stored.event_type).ok_or_else(|| {
+            HandlerError::permanent(format!(
+                "the router does not route event type `{}`",
+                self.stored.event_type
+            ))
+        })?;
+        for &subscriber in subscribers {
+            let delivery = Delivery::new(
+                &self.stored,
+                self.decoded.metadata(),
+                subscriber,
+                self.attempt,
+            );
+            router.deliver(subscriber, &self.decoded, &delivery).await?;
+        }
+        Ok(())
     }
 
     /// Hands the event to `observer`.

@@ -58,6 +58,18 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
     #[doc(hidden)]
+    fn dead_letters(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<Vec<crate::DeadLetter>, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn status(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<crate::Status, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
     fn requeue(
         pool: &Pool<Self>,
         queries: &Self::Queries,

@@ -75,7 +75,7 @@ mod tx;
 pub use backend::Backend;
 pub use error::Error;
 pub use names::TableNames;
-pub use outbox::{Outbox, SqlStore};
+pub use outbox::{DeadLetter, Outbox, SqlStore, Status};
 pub use outbox_core as core;
 pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,

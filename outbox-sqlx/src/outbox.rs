@@ -151,6 +151,17 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(DB::purge_published(self.pool(), self.queries(), older_than, batch_size).await?)
     }
 
+    /// The dead letters: events that can never be decoded, and subscribers' deliveries that
+    /// failed for good. Ordered by event id.
+    pub async fn dead_letters(&self) -> Result<Vec<DeadLetter>, Error> {
+        Ok(DB::dead_letters(self.pool(), self.queries()).await?)
+    }
+
+    /// What is left to deliver, and how many dead letters wait for an operator.
+    pub async fn status(&self) -> Result<Status, Error> {
+        Ok(DB::status(self.pool(), self.queries()).await?)
+    }
+
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
         self.store().requeue_rows(which).await
@@ -226,4 +237,53 @@ impl<DB: Backend> Store for SqlStore<DB> {
     async fn notified(&self) {
         self.inner.wake.notified().await;
     }
+}
+
+/// What an outbox holds that is not done.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Status {
+    /// Events not yet handed to all their subscribers (parked ones included), dead ones excluded.
+    pub pending_events: u64,
+    /// Subscribers' deliveries waiting for a retry or behind an earlier event, dead ones excluded.
+    pub pending_deliveries: u64,
+    /// Dead events and dead deliveries: they wait for an operator.
+    pub dead_letters: u64,
+}
+
+impl Status {
+    pub(crate) fn from_counts(events: i64, deliveries: i64, dead: i64) -> Self {
+        let count = |n: i64| u64::try_from(n).unwrap_or(0);
+        Self {
+            pending_events: count(events),
+            pending_deliveries: count(deliveries),
+            dead_letters: count(dead),
+        }
+    }
+
+    /// Whether the relay has nothing left to do but dead letters.
+    pub fn is_settled(&self) -> bool {
+        self.pending_events == 0 && self.pending_deliveries == 0
+    }
+}
+
+/// A dead letter: it waits for an operator to fix its cause and [requeue](Outbox::requeue) it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The event.
+    pub event_id: i64,
+    /// The subscriber whose delivery failed for good; `None` when the event itself cannot be
+    /// decoded, for every subscriber.
+    pub subscriber: Option<String>,
+    /// The event type.
+    pub event_type: String,
+    /// The aggregate type.
+    pub aggregate_type: String,
+    /// The aggregate.
+    pub aggregate_id: uuid::Uuid,
+    /// Failed attempts (for an event: times parked before it died).
+    pub attempts: u32,
+    /// Why.
+    pub last_error: Option<String>,
 }

@@ -83,6 +83,8 @@ pub struct PgQueries {
     requeue_events: SqlStr,
     requeue_subscriber: SqlStr,
     purge_published: SqlStr,
+    status: SqlStr,
+    dead_letters: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -235,6 +237,25 @@ WITH doomed AS (
     FOR UPDATE SKIP LOCKED
 )
 DELETE FROM {outbox} WHERE id IN (SELECT id FROM doomed)"#
+            )),
+            dead_letters: sql(format!(
+                r#"
+SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
+       o.retry_count AS attempts, o.last_error
+FROM {outbox} AS o WHERE o.dead_at IS NOT NULL
+UNION ALL
+SELECT d.event_id, d.subscriber, o.event_type, o.aggregate_type, o.aggregate_id, d.attempts,
+       d.last_error
+FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id
+WHERE d.dead_at IS NOT NULL
+ORDER BY event_id, subscriber"#
+            )),
+            status: sql(format!(
+                r#"
+SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL),
+       (SELECT count(*) FROM {deliveries} WHERE dead_at IS NULL),
+       (SELECT count(*) FROM {outbox} WHERE dead_at IS NOT NULL)
+         + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL)"#
             )),
             requeue_subscriber: sql(format!(
                 r#"
@@ -428,6 +449,35 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 return Ok(total);
             }
         }
+    }
+
+    async fn dead_letters(
+        pool: &PgPool,
+        queries: &PgQueries,
+    ) -> Result<Vec<crate::DeadLetter>, sqlx::Error> {
+        sqlx::query(queries.dead_letters.clone())
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| {
+                Ok(crate::DeadLetter {
+                    event_id: row.try_get("event_id")?,
+                    subscriber: row.try_get("subscriber")?,
+                    event_type: row.try_get("event_type")?,
+                    aggregate_type: row.try_get("aggregate_type")?,
+                    aggregate_id: row.try_get("aggregate_id")?,
+                    attempts: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0),
+                    last_error: row.try_get("last_error")?,
+                })
+            })
+            .collect()
+    }
+
+    async fn status(pool: &PgPool, queries: &PgQueries) -> Result<crate::Status, sqlx::Error> {
+        let (events, deliveries, dead): (i64, i64, i64) = sqlx::query_as(queries.status.clone())
+            .fetch_one(pool)
+            .await?;
+        Ok(crate::Status::from_counts(events, deliveries, dead))
     }
 
     async fn requeue(

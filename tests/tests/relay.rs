@@ -169,6 +169,9 @@ async fn transient_failure_records_attempts_error_and_next_retry_then_delivers_a
 
     let report = relay.run_once().await.unwrap();
     assert_eq!((report.claimed, report.retried), (1, 1));
+    let status = outbox.status().await.unwrap();
+    assert_eq!((status.pending_events, status.pending_deliveries), (0, 1));
+    assert!(!status.is_settled());
     let (attempts, error, dead, due_in) = delivery::<B>(outbox.pool(), "x", id).await.unwrap();
     assert_eq!(attempts, 1);
     assert_eq!(
@@ -231,6 +234,17 @@ async fn exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_wh
     run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
     assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
 
+    let status = outbox.status().await.unwrap();
+    assert_eq!(
+        (
+            status.pending_events,
+            status.pending_deliveries,
+            status.dead_letters
+        ),
+        (0, 0, 1)
+    );
+    assert!(status.is_settled());
+
     // The dead letter is never claimed again.
     tokio::time::sleep(ms(120)).await; // longer than any retry delay of this policy
     for _ in 0..3 {
@@ -266,6 +280,22 @@ async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBacke
         Some("permanent error: scripted permanent failure")
     );
     assert_eq!(probe.delivered_to("y"), [(a, 1)]);
+    let dead = outbox.dead_letters().await.unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(
+        (
+            dead[0].event_id,
+            dead[0].subscriber.as_deref(),
+            dead[0].event_type.as_str()
+        ),
+        (id, Some("x"), "Ping")
+    );
+    assert_eq!(dead[0].attempts, 1);
+    assert_eq!(dead[0].aggregate_id, a);
+    assert_eq!(
+        dead[0].last_error.as_deref(),
+        Some("permanent error: scripted permanent failure")
+    );
 }
 
 async fn a_panicking_handler_is_a_transient_failure_not_a_crash<B: TestBackend>() {
@@ -329,6 +359,12 @@ async fn undecodable_payloads_become_dead_letters_and_the_relay_keeps_running<B:
             .starts_with("payload is not an outbox envelope: missing field `version`")
     );
     assert!(probe.seen().iter().all(|s| s.aggregate == good));
+    let dead = outbox.dead_letters().await.unwrap();
+    let ids: Vec<(i64, Option<String>)> = dead
+        .iter()
+        .map(|d| (d.event_id, d.subscriber.clone()))
+        .collect();
+    assert_eq!(ids, [(wrong_shape, None), (not_envelope, None)]);
 }
 
 async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs<

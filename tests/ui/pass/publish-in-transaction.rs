@@ -3,7 +3,6 @@
 use outbox_core::{
     Delivery, Handle, HandlerError, Metadata, OutboxEvent, Publish, PublishError, router, subscriber,
 };
-use outbox_sqlx::prelude::*;
 use outbox_sqlx::{Outbox, OutboxTx};
 use serde::{Deserialize, Serialize};
 use sqlx::Postgres;

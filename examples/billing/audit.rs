@@ -1,0 +1,44 @@
+//! Audit: records every event, as stored, once (`UNIQUE (outbox_event_id)`).
+
+use outbox_core::{Delivery, HandlerError, Observer};
+use uuid::Uuid;
+
+use super::db::DbPool;
+use super::story;
+use crate::args;
+
+/// The audit observer: it takes every event of the catalog, undecoded.
+#[derive(Debug, Clone)]
+pub struct Audit(pub DbPool);
+
+impl Observer for Audit {
+    const NAME: &'static str = "audit";
+
+    async fn observe(&self, d: &Delivery<'_>) -> Result<(), HandlerError> {
+        let e = d.event();
+        self.0
+            .exec(
+                "INSERT INTO audit_log VALUES ($1, $2, $3, $4, $5, $6)
+                 ON CONFLICT (outbox_event_id) DO NOTHING",
+                args![
+                    Uuid::new_v4(),
+                    e.id,
+                    e.aggregate_type.clone(),
+                    e.aggregate_id,
+                    e.event_type.clone(),
+                    e.payload.clone()
+                ],
+            )
+            .await?;
+        story::handled(
+            d,
+            format!(
+                "recorded {} of {} {}",
+                e.event_type,
+                e.aggregate_type,
+                story::short(e.aggregate_id)
+            ),
+        );
+        Ok(())
+    }
+}

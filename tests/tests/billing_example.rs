@@ -1,0 +1,158 @@
+//! The billing example, run on both backends: the same final state on SQLite and PostgreSQL, and
+//! every example event delivered twice leaves the state as one delivery did.
+
+use outbox_core::OutboxEvent;
+use outbox_core::testing::TestDelivery;
+use outbox_examples::billing::app::{App, Controls};
+use outbox_examples::billing::db::{Db, SCHEMA};
+use outbox_examples::billing::events::{
+    BotInstalled, BotKicked, LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded,
+    SubscriptionStarted,
+};
+use outbox_examples::billing::scenario::{self, FinalState};
+use outbox_sqlx::TableNames;
+use outbox_tests::backend::TestBackend;
+use outbox_tests::on_both_backends;
+use outbox_tests::pg::TestDb;
+use sqlx::Postgres;
+use time::macros::datetime;
+use uuid::Uuid;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_scenario_ends_in_the_same_state_on_sqlite_and_postgres() {
+    let dir = tempfile::tempdir().unwrap();
+    let on_sqlite = scenario::on_sqlite_file(&dir.path().join("billing.db"))
+        .await
+        .unwrap();
+    let db = TestDb::new().await;
+    let on_postgres = scenario::run::<Postgres>(db.pool.clone(), TableNames::default())
+        .await
+        .unwrap();
+    assert_eq!(on_sqlite, on_postgres);
+
+    // And that state is the scenario's, not just the same on both.
+    let text = |s: &str| Some(s.to_owned());
+    let license = scenario::LICENSE.to_string();
+    let lapsing_license = scenario::LAPSING_LICENSE.to_string();
+    assert_eq!(
+        on_sqlite.licenses,
+        [
+            vec![
+                text(&license),
+                text("pro"),
+                text("active"),
+                text("1801267200")
+            ],
+            vec![
+                text(&lapsing_license),
+                text("basic"),
+                text("suspended"),
+                text("1798675200")
+            ],
+        ]
+    );
+    assert!(on_sqlite.license_bots.is_empty(), "the bot was kicked");
+    let audited: Vec<&str> = on_sqlite
+        .audit
+        .iter()
+        .map(|row| row[1].as_deref().unwrap())
+        .collect();
+    assert_eq!(
+        audited,
+        [
+            "SubscriptionStarted",
+            "SubscriptionStarted",
+            "BotInstalled",
+            "PaymentSucceeded",
+            "LicenseUpgraded",
+            "BotKicked",
+            "PaymentFailedFinal"
+        ]
+    );
+    assert_eq!(on_sqlite.notifications.len(), 5);
+    assert_eq!(
+        on_sqlite.recovery_cases.len(),
+        3,
+        "the requeued BotKicked included"
+    );
+    assert_eq!(on_sqlite.dead_letters, 0);
+}
+
+on_both_backends!(every_example_event_delivered_twice_leaves_the_state_unchanged);
+
+async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestBackend + Db>() {
+    let (_db, pool) = B::fresh().await;
+    B::execute_script(&pool, SCHEMA).await.unwrap();
+    let handle = B::into_handle(pool);
+    let app = App::new(&handle, &Controls::default());
+    let (subscription, license, bot) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let deliveries = [
+        TestDelivery::of(&SubscriptionStarted {
+            subscription_id: subscription,
+            license_id: license,
+            customer_email: "ada@example.com".to_owned(),
+            period_end: 1_000,
+        }),
+        TestDelivery::of(&BotInstalled {
+            bot_id: bot,
+            license_id: license,
+        }),
+        TestDelivery::of(&PaymentSucceeded {
+            subscription_id: subscription,
+            attempt_id: Uuid::new_v4(),
+            license_id: license,
+            new_period_end: 2_000,
+            cycle_count: 2,
+            occurred_at: datetime!(2026-12-02 10:00 UTC),
+        }),
+        TestDelivery::of(&LicenseUpgraded {
+            license_id: license,
+            tier: "pro".to_owned(),
+        }),
+        TestDelivery::of(&BotKicked {
+            bot_id: bot,
+            license_id: license,
+            reason: "spam".to_owned(),
+        }),
+        TestDelivery::of(&PaymentFailedFinal {
+            subscription_id: subscription,
+            attempt_id: Uuid::new_v4(),
+            license_id: license,
+            reason: "card expired".to_owned(),
+        }),
+    ];
+    assert_eq!(
+        deliveries.len(),
+        6,
+        "every event of the example's catalog: {:?}",
+        [
+            SubscriptionStarted::EVENT_TYPE,
+            BotInstalled::EVENT_TYPE,
+            PaymentSucceeded::EVENT_TYPE,
+            LicenseUpgraded::EVENT_TYPE,
+            BotKicked::EVENT_TYPE,
+            PaymentFailedFinal::EVENT_TYPE,
+        ]
+    );
+    let mut before = FinalState::read(&handle).await.unwrap();
+    for (n, delivery) in deliveries.into_iter().enumerate() {
+        let id = i64::try_from(n).unwrap() + 1;
+        let delivery = delivery.id(id);
+        let event_type = delivery.stored().event_type.clone();
+        delivery.through(&app).await.unwrap();
+        let once = FinalState::read(&handle).await.unwrap();
+        assert_ne!(
+            once, before,
+            "{event_type} changed nothing: the test would prove nothing"
+        );
+        assert_eq!(once.audit.len(), before.audit.len() + 1, "{event_type}");
+
+        delivery.attempt(2).through(&app).await.unwrap();
+        let twice = FinalState::read(&handle).await.unwrap();
+        assert_eq!(
+            twice, once,
+            "{event_type} delivered twice changed the state"
+        );
+        before = twice;
+    }
+}
