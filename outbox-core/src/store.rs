@@ -70,6 +70,16 @@ impl Claim {
             Claim::Event { event, .. } | Claim::Delivery { event, .. } => event,
         }
     }
+
+    /// The order a store returns claims in: by event id, an event before its deliveries.
+    pub fn order_key(&self) -> (i64, Option<&str>) {
+        match self {
+            Claim::Event { event, .. } => (event.id, None),
+            Claim::Delivery {
+                event, subscriber, ..
+            } => (event.id, Some(subscriber)),
+        }
+    }
 }
 
 /// What became of a claimed event.

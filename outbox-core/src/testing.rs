@@ -573,15 +573,7 @@ impl Store for MemoryStore {
                 attempts: row.delivery.attempts,
             });
         }
-        claims.sort_by(|a, b| {
-            let key = |c: &Claim| match c {
-                Claim::Event { event, .. } => (event.id, None),
-                Claim::Delivery {
-                    event, subscriber, ..
-                } => (event.id, Some(subscriber.clone())),
-            };
-            key(a).cmp(&key(b))
-        });
+        claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(claims)
     }
 

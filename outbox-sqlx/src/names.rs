@@ -86,12 +86,14 @@ impl TableNames {
         format!("\"{}\"", self.schema)
     }
 
-    /// A migration template with `{outbox}` and `{deliveries}` replaced by the given (quoted)
-    /// table names and each index placeholder, such as `{pending_idx}`, by `"<table>_<index>"`.
-    pub(crate) fn render(&self, template: &str, outbox: &str, deliveries: &str) -> String {
+    /// A migration template with `{outbox}`, `{deliveries}` and `{claims}` replaced by
+    /// `table(suffix)` (the quoted table `<table><suffix>`, qualified or not as the database
+    /// wants) and each index placeholder, such as `{pending_idx}`, by `"<table>_<index>"`.
+    pub(crate) fn render(&self, template: &str, table: impl Fn(&str) -> String) -> String {
         let mut text = template
-            .replace("{outbox}", outbox)
-            .replace("{deliveries}", deliveries);
+            .replace("{outbox}", &table(""))
+            .replace("{deliveries}", &table("_deliveries"))
+            .replace("{claims}", &table("_claims"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
         }

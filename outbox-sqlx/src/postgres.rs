@@ -31,8 +31,7 @@ CREATE TABLE {outbox} (
     retry_count     INTEGER NOT NULL DEFAULT 0,
     last_error      TEXT,
     next_retry_at   TIMESTAMPTZ,
-    dead_at         TIMESTAMPTZ,
-    claimed_until   TIMESTAMPTZ
+    dead_at         TIMESTAMPTZ
 );
 COMMENT ON COLUMN {outbox}.published_at IS
     'set when every subscriber handled the event or holds it as a delivery of its own';
@@ -47,6 +46,15 @@ CREATE INDEX {pending_idx} ON {outbox} (id)
 -- Per-aggregate order: is there an earlier unfinished event of this aggregate?
 CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, id)
     WHERE published_at IS NULL;
+
+-- One row per batch a relay is working on: the events it claimed, until when. Claims are taken
+-- one relay at a time (an advisory lock), so an event is never claimed twice at once, and no
+-- event row is written to claim it.
+CREATE TABLE {claims} (
+    id        BIGSERIAL PRIMARY KEY,
+    until     TIMESTAMPTZ NOT NULL,
+    event_ids BIGINT[] NOT NULL
+);
 
 CREATE TABLE {deliveries} (
     event_id        BIGINT NOT NULL REFERENCES {outbox} (id),
@@ -72,13 +80,23 @@ CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
 "#,
 )];
 
+/// Starts a claim: its commit does not wait for the disk (a claim lost in a crash only lets the
+/// events be claimed again), and it takes the claim lock.
+const RELAY_TRANSACTION: &str =
+    "SELECT set_config('synchronous_commit', 'off', true), pg_advisory_xact_lock($1)";
+
 /// The SQL of one set of tables.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
+    /// The key of the advisory lock that serialises claims (the one-key form, which never
+    /// collides with the two-key locks of publishing and migrating).
+    claim_lock: i64,
+    insert_one: SqlStr,
     insert: SqlStr,
-    claim: SqlStr,
+    claim_events: SqlStr,
+    claim_deliveries: SqlStr,
     record: SqlStr,
     requeue_events: SqlStr,
     requeue_subscriber: SqlStr,
@@ -98,8 +116,16 @@ impl Backend for Postgres {
     fn queries(names: &TableNames) -> PgQueries {
         let outbox = names.qualified("");
         let deliveries = names.qualified("_deliveries");
+        let claims = names.qualified("_claims");
         PgQueries {
             lock_namespace: names.lock_namespace(),
+            claim_lock: (i64::from(names.lock_namespace()) << 1) | 1,
+            insert_one: sql(format!(
+                r#"
+INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+SELECT $3, $4, $5, $6::jsonb, coalesce($7, now())
+FROM pg_advisory_xact_lock($1::int4, $2::int4)"#
+            )),
             insert: sql(format!(
                 r#"
 WITH locks AS MATERIALIZED (
@@ -114,31 +140,54 @@ FROM unnest($3::text[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[])
 WHERE (SELECT count(*) FROM locks) >= 0
 ORDER BY e.n"#
             )),
-            claim: sql(format!(
+            claim_events: sql(format!(
                 r#"
-WITH candidates AS (
-    SELECT id, aggregate_id FROM {outbox}
-    WHERE published_at IS NULL AND dead_at IS NULL
-      AND (next_retry_at IS NULL OR next_retry_at <= now())
-      AND (claimed_until IS NULL OR claimed_until < now())
-    ORDER BY id
+WITH expired AS (
+    DELETE FROM {claims} WHERE until < now()
+),
+active AS (
+    SELECT unnest(event_ids) AS id FROM {claims} WHERE until >= now()
+),
+candidates AS (
+    SELECT o.id, o.aggregate_id FROM {outbox} AS o
+    WHERE o.published_at IS NULL AND o.dead_at IS NULL
+      AND (o.next_retry_at IS NULL OR o.next_retry_at <= now())
+      AND NOT EXISTS (SELECT 1 FROM active AS a WHERE a.id = o.id)
+    ORDER BY o.id
     LIMIT $1
-    FOR UPDATE SKIP LOCKED
 ),
-claimed_events AS (
-    UPDATE {outbox} AS o SET claimed_until = now() + $2 * interval '1 second'
-    FROM candidates AS c
-    WHERE o.id = c.id
-      AND NOT EXISTS (
-          SELECT 1 FROM {outbox} AS e
-          WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.published_at IS NULL
-            AND NOT EXISTS (SELECT 1 FROM candidates AS c2 WHERE c2.id = e.id))
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
-              o.occurred_at, o.retry_count AS attempts, NULL::text AS subscriber,
-              ARRAY(SELECT DISTINCT d.subscriber FROM {deliveries} AS d
-                    WHERE d.aggregate_id = o.aggregate_id) AS blocked
+claimable AS (
+    -- Every eligible event before a candidate is a candidate too (they come in id order), so a
+    -- candidate waits only for an earlier event of its aggregate that is not eligible: dead,
+    -- parked, or in another relay's claim.
+    SELECT c.id, c.aggregate_id FROM candidates AS c
+    WHERE NOT EXISTS (
+        SELECT 1 FROM {outbox} AS e
+        WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.published_at IS NULL
+          AND (e.dead_at IS NOT NULL OR e.next_retry_at > now()
+               OR EXISTS (SELECT 1 FROM active AS a WHERE a.id = e.id)))
 ),
-due AS (
+claim AS (
+    INSERT INTO {claims} (until, event_ids)
+    SELECT now() + $2 * interval '1 second', array_agg(id) FROM claimable
+    HAVING count(*) > 0
+)
+SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
+       o.occurred_at, o.retry_count AS attempts, NULL::text AS subscriber,
+       coalesce(b.subscribers, '{{}}') AS blocked
+FROM claimable AS c
+JOIN {outbox} AS o ON o.id = c.id
+LEFT JOIN (
+    SELECT d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
+    FROM {deliveries} AS d
+    WHERE d.aggregate_id IN (SELECT aggregate_id FROM claimable)
+    GROUP BY d.aggregate_id
+) AS b ON b.aggregate_id = o.aggregate_id
+ORDER BY o.id"#
+            )),
+            claim_deliveries: sql(format!(
+                r#"
+WITH due AS (
     SELECT d.subscriber, d.event_id FROM {deliveries} AS d
     WHERE d.dead_at IS NULL AND d.next_retry_at <= now()
       AND (d.claimed_until IS NULL OR d.claimed_until < now())
@@ -149,39 +198,37 @@ due AS (
     ORDER BY d.event_id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
-),
-claimed_deliveries AS (
-    UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
-    FROM due JOIN {outbox} AS o ON o.id = due.event_id
-    WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
-              o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked
 )
-SELECT * FROM claimed_events
-UNION ALL
-SELECT * FROM claimed_deliveries
-ORDER BY id, subscriber NULLS FIRST"#
+UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
+FROM due JOIN {outbox} AS o ON o.id = due.event_id
+WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
+RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
+          o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked"#
             )),
             record: sql(format!(
                 r#"
-WITH published AS (
-    UPDATE {outbox} SET published_at = now(), claimed_until = NULL
-    WHERE id = ANY($1::int8[])
+WITH asynchronous AS (
+    -- Handlers already ran: an outcome lost in a crash means delivering again, which
+    -- at-least-once allows, so this commit need not wait for the disk.
+    SELECT set_config('synchronous_commit', 'off', true)
+),
+finished AS (
+    DELETE FROM {claims} WHERE event_ids && ($1::int8[] || $2::int8[] || $5::int8[] || $7::int8[])
+),
+published AS (
+    UPDATE {outbox} SET published_at = now() WHERE id = ANY($1::int8[])
 ),
 parked AS (
     UPDATE {outbox} AS o
     SET retry_count = o.retry_count + 1, last_error = p.reason,
-        next_retry_at = now() + p.delay * interval '1 second', claimed_until = NULL
+        next_retry_at = now() + p.delay * interval '1 second'
     FROM unnest($2::int8[], $3::text[], $4::float8[]) AS p(id, reason, delay)
     WHERE o.id = p.id
 ),
 dead AS (
-    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason, claimed_until = NULL
+    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason
     FROM unnest($5::int8[], $6::text[]) AS x(id, reason)
     WHERE o.id = x.id
-),
-released AS (
-    UPDATE {outbox} SET claimed_until = NULL WHERE id = ANY($7::int8[])
 ),
 delivered AS (
     DELETE FROM {deliveries} AS d
@@ -205,14 +252,13 @@ released_deliveries AS (
     FROM unnest($17::text[], $18::int8[]) AS x(subscriber, event_id)
     WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
 )
-SELECT 1"#
+SELECT 1 FROM asynchronous"#
             )),
             requeue_events: sql(format!(
                 r#"
 WITH events AS (
     UPDATE {outbox}
-    SET dead_at = NULL, next_retry_at = NULL, retry_count = 0, last_error = NULL,
-        claimed_until = NULL
+    SET dead_at = NULL, next_retry_at = NULL, retry_count = 0, last_error = NULL
     WHERE id = ANY($1::int8[]) AND published_at IS NULL
       AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
     RETURNING 1
@@ -302,11 +348,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             if *version <= current {
                 continue;
             }
-            let text = names.render(
-                template,
-                &names.qualified(""),
-                &names.qualified("_deliveries"),
-            );
+            let text = names.render(template, |suffix| names.qualified(suffix));
             tx.execute(sqlx::raw_sql(sql(text))).await?;
             sqlx::query(sql(format!(
                 "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"
@@ -325,6 +367,19 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         events: &[NewEvent],
     ) -> Result<(), sqlx::Error> {
+        if let [event] = events {
+            sqlx::query(queries.insert_one.clone())
+                .bind(queries.lock_namespace)
+                .bind(lock_key(event.aggregate_id))
+                .bind(event.aggregate_type)
+                .bind(event.aggregate_id)
+                .bind(event.event_type)
+                .bind(event.payload.as_str())
+                .bind(event.occurred_at)
+                .execute(conn)
+                .await?;
+            return Ok(());
+        }
         let keys: Vec<i32> = events.iter().map(|e| lock_key(e.aggregate_id)).collect();
         let aggregate_types: Vec<&str> = events.iter().map(|e| e.aggregate_type).collect();
         let aggregate_ids: Vec<Uuid> = events.iter().map(|e| e.aggregate_id).collect();
@@ -350,12 +405,32 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         limit: u32,
         lease: Duration,
     ) -> Result<Vec<Claim>, sqlx::Error> {
-        let rows = sqlx::query(queries.claim.clone())
+        let mut tx = pool.begin().await?;
+        // One claimer at a time; the claim statement that follows sees every claim committed
+        // before the lock was granted.
+        sqlx::query(RELAY_TRANSACTION)
+            .bind(queries.claim_lock)
+            .execute(&mut *tx)
+            .await?;
+        let mut rows = sqlx::query(queries.claim_events.clone())
             .bind(i64::from(limit))
             .bind(lease.as_secs_f64())
-            .fetch_all(pool)
+            .fetch_all(&mut *tx)
             .await?;
-        rows.iter().map(claim_from_row).collect()
+        rows.extend(
+            sqlx::query(queries.claim_deliveries.clone())
+                .bind(i64::from(limit))
+                .bind(lease.as_secs_f64())
+                .fetch_all(&mut *tx)
+                .await?,
+        );
+        tx.commit().await?;
+        let mut claims = rows
+            .iter()
+            .map(claim_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
+        Ok(claims)
     }
 
     async fn record(

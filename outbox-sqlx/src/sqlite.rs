@@ -277,7 +277,7 @@ DELETE FROM {outbox} WHERE id IN (
             if *version <= current {
                 continue;
             }
-            let text = names.render(template, &names.local(""), &names.local("_deliveries"));
+            let text = names.render(template, |suffix| names.local(suffix));
             tx.execute(sqlx::raw_sql(sql(text))).await?;
             sqlx::query(sql(format!(
                 "INSERT INTO {migrations} (version, description, applied_at) VALUES ($1, $2, $3)"
@@ -372,15 +372,7 @@ DELETE FROM {outbox} WHERE id IN (
             }
         }
         tx.commit().await?;
-        claims.sort_by(|a, b| {
-            let key = |c: &Claim| match c {
-                Claim::Event { event, .. } => (event.id, None),
-                Claim::Delivery {
-                    event, subscriber, ..
-                } => (event.id, Some(subscriber.clone())),
-            };
-            key(a).cmp(&key(b))
-        });
+        claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(claims)
     }
 

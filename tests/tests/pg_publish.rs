@@ -45,7 +45,12 @@ async fn custom_schema_and_table_names_are_used() {
     .unwrap();
     assert_eq!(
         tables,
-        ["event_log", "event_log_deliveries", "event_log_migrations"]
+        [
+            "event_log",
+            "event_log_claims",
+            "event_log_deliveries",
+            "event_log_migrations"
+        ]
     );
     // Nothing went to the default schema.
     let default_schema: Option<String> =
