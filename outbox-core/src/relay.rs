@@ -4,6 +4,7 @@
 use std::collections::HashSet;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
+use std::pin::Pin;
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -239,27 +240,51 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Runs until `shutdown` resolves, then returns after the batch in progress is recorded.
     ///
+    /// The outcomes of one batch are recorded while the next batch is claimed (the claim of the
+    /// recorded batch still holds its aggregates' later events back, so order is kept).
+    ///
     /// Store errors (a lost connection, a restarting database) are logged and retried with
     /// exponential backoff; they never end the loop.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut backoff = Duration::ZERO;
+        // The last batch's outcomes, not recorded yet.
+        let mut unrecorded: Option<Outcomes> = None;
         loop {
             if (&mut shutdown).now_or_never().is_some() {
+                if let Some(outcomes) = unrecorded.take() {
+                    self.record_or_log(&outcomes).await;
+                }
                 return;
             }
-            match self.run_once().await {
-                Ok(report) if report.made_progress() => {
-                    backoff = Duration::ZERO;
-                    continue;
+            let recording = unrecorded.is_some();
+            let claimed = match unrecorded.take() {
+                None => self.claim().await,
+                Some(outcomes) => {
+                    let ((), claimed) = tokio::join!(self.record_or_log(&outcomes), self.claim());
+                    claimed
                 }
+            };
+            match claimed {
+                Ok(claims) if !claims.is_empty() => {
+                    backoff = Duration::ZERO;
+                    let (report, outcomes) = self.deliver(claims).await;
+                    if report.made_progress() {
+                        unrecorded = Some(outcomes);
+                        continue;
+                    }
+                    // Everything was given back: record that, then wait for news.
+                    self.record_or_log(&outcomes).await;
+                    if self.idle(&mut shutdown).await {
+                        return;
+                    }
+                }
+                // The batch just recorded may have held events back: look again at once.
+                Ok(_) if recording => backoff = Duration::ZERO,
                 Ok(_) => {
                     backoff = Duration::ZERO;
-                    tokio::select! {
-                        biased;
-                        () = &mut shutdown => return,
-                        () = self.store.notified() => {}
-                        () = tokio::time::sleep(self.config.poll_interval) => {}
+                    if self.idle(&mut shutdown).await {
+                        return;
                     }
                 }
                 Err(error) => {
@@ -277,12 +302,35 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
     }
 
+    /// Waits for a commit, the poll interval, or `shutdown`, whichever comes first; true if
+    /// `shutdown` came (it must not be polled again).
+    async fn idle(&self, shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
+        tokio::select! {
+            biased;
+            () = shutdown.as_mut() => true,
+            () = self.store.notified() => false,
+            () = tokio::time::sleep(self.config.poll_interval) => false,
+        }
+    }
+
     /// Claims one batch, delivers it, and records the outcomes.
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
-        let claims = self
-            .store
+        let claims = self.claim().await?;
+        let (report, outcomes) = self.deliver(claims).await;
+        if !outcomes.is_empty() {
+            self.record(&outcomes).await?;
+        }
+        Ok(report)
+    }
+
+    async fn claim(&self) -> Result<Vec<Claim>, StoreError> {
+        self.store
             .claim(self.config.batch_size, self.config.lease)
-            .await?;
+            .await
+    }
+
+    /// Hands claimed events and deliveries to their subscribers.
+    async fn deliver(&self, claims: Vec<Claim>) -> (BatchReport, Outcomes) {
         let deadline = Instant::now() + self.config.lease / 2;
         let mut report = BatchReport {
             claimed: claims.len(),
@@ -323,10 +371,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
         report.delivered = state.delivered;
         tally(&outcomes, &mut report);
-        if !outcomes.is_empty() {
-            self.record(&outcomes).await?;
-        }
-        Ok(report)
+        (report, outcomes)
     }
 
     /// Hands a pending event to each of its subscribers.
@@ -373,9 +418,12 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         };
         for &subscriber in subscribers {
-            let key = (subscriber.to_owned(), event.aggregate_id);
-            let outcome = if blocked.iter().any(|b| b == subscriber) || state.blocked.contains(&key)
-            {
+            let held_back = blocked.iter().any(|b| b == subscriber)
+                || (!state.blocked.is_empty()
+                    && state
+                        .blocked
+                        .contains(&(subscriber.to_owned(), event.aggregate_id)));
+            let outcome = if held_back {
                 DeliveryOutcome::Waiting
             } else {
                 match self.attempt(subscriber, event, &decoded, 1).await {
@@ -386,7 +434,9 @@ impl<S: Store, R: Router> Relay<S, R> {
                     Err(error) => self.after_failure(&error, 1),
                 }
             };
-            state.blocked.insert(key);
+            state
+                .blocked
+                .insert((subscriber.to_owned(), event.aggregate_id));
             outcomes
                 .deliveries
                 .push(record(event, subscriber.to_owned(), outcome));
@@ -499,6 +549,20 @@ impl<S: Store, R: Router> Relay<S, R> {
             attempts,
             error: truncate(reason),
             retry_in: self.config.park_delay,
+        }
+    }
+
+    /// Records outcomes; if that keeps failing, says so (the batch is delivered again once its
+    /// claims expire, which at-least-once allows).
+    async fn record_or_log(&self, outcomes: &Outcomes) {
+        if outcomes.is_empty() {
+            return;
+        }
+        if let Err(error) = self.record(outcomes).await {
+            tracing::error!(
+                %error,
+                "outbox relay cannot record a batch; it will be delivered again when its claims expire"
+            );
         }
     }
 

@@ -69,6 +69,21 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         queries: &Self::Queries,
     ) -> impl Future<Output = Result<crate::Status, sqlx::Error>> + Send;
 
+    /// Sends the wake-up hint to relays of other processes.
+    #[doc(hidden)]
+    fn notify(
+        pool: &Pool<Self>,
+        channel: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Listens for wake-up hints and passes them to `wake`, until `wake` is gone.
+    #[doc(hidden)]
+    fn listen(
+        pool: Pool<Self>,
+        channel: String,
+        wake: std::sync::Weak<tokio::sync::Notify>,
+    ) -> impl Future<Output = ()> + Send + 'static;
+
     #[doc(hidden)]
     fn requeue(
         pool: &Pool<Self>,

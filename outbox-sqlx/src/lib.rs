@@ -71,6 +71,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod tx;
+mod wake;
 
 pub use backend::Backend;
 pub use error::Error;

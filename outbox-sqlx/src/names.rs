@@ -28,9 +28,10 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 5] = [
+const INDEXES: [&str; 6] = [
     "pending_idx",
     "aggregate_idx",
+    "stalled_idx",
     "deliveries_head_idx",
     "deliveries_aggregate_idx",
     "deliveries_due_idx",

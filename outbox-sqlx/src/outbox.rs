@@ -3,15 +3,14 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use outbox_core::store::{Claim, Outcomes, Requeue};
-use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
-use sqlx::{Pool, Transaction};
-use tokio::sync::Notify;
-
 use crate::backend::Backend;
 use crate::error::Error;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
+use crate::wake::Wakeups;
+use outbox_core::store::{Claim, Outcomes, Requeue};
+use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
+use sqlx::{Pool, Transaction};
 
 /// The outbox of one database, for the application whose router is `R`: begins transactions
 /// that can publish the events `R` routes, runs the migrations, and gives the relay its store.
@@ -53,9 +52,9 @@ struct Inner<DB: Backend> {
     pool: Pool<DB>,
     names: TableNames,
     queries: DB::Queries,
-    /// Signalled after a commit that published events, so that a relay in this process starts
-    /// at once instead of at its next poll.
-    wake: Notify,
+    /// Wakes relays after a commit that published events: at once in this process, by a
+    /// coalesced NOTIFY in others.
+    wakeups: Wakeups,
 }
 
 impl<DB: Backend, R> Clone for Outbox<DB, R> {
@@ -86,9 +85,9 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Self {
             inner: Arc::new(Inner {
                 queries: DB::queries(&names),
+                wakeups: Wakeups::new(&names),
                 pool,
                 names,
-                wake: Notify::new(),
             }),
             router: PhantomData,
         }
@@ -121,7 +120,8 @@ impl<DB: Backend, R> Outbox<DB, R> {
         }
     }
 
-    /// A relay over this outbox, woken at once by commits made through this handle.
+    /// A relay over this outbox, woken at once by commits made through this handle, and soon
+    /// after by commits in other processes (see [`set_cross_process_wakeups`](Self::set_cross_process_wakeups)).
     pub fn relay(
         &self,
         router: R,
@@ -181,8 +181,15 @@ impl<DB: Backend, R> Outbox<DB, R> {
         &self.inner.queries
     }
 
+    /// Whether commits wake relays of other processes too (default: on). Turn it off behind a
+    /// connection pooler that does not support `LISTEN`; relays then find new events at their
+    /// poll interval.
+    pub fn set_cross_process_wakeups(&self, on: bool) {
+        self.inner.wakeups.set_cross_process(on);
+    }
+
     pub(crate) fn wake_relay(&self) {
-        self.inner.wake.notify_one();
+        self.inner.wakeups.committed(&self.inner.pool);
     }
 }
 
@@ -235,7 +242,7 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn notified(&self) {
-        self.inner.wake.notified().await;
+        self.inner.wakeups.notified(&self.inner.pool).await;
     }
 }
 

@@ -4,9 +4,12 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue};
-use sqlx::postgres::PgRow;
+use std::sync::Weak;
+
+use sqlx::postgres::{PgListener, PgRow};
 use sqlx::{AssertSqlSafe, Executor, PgConnection, PgPool, Postgres, Row, SqlStr};
 use time::OffsetDateTime;
+use tokio::sync::Notify;
 use uuid::Uuid;
 
 use crate::backend::{Backend, NewEvent, sealed};
@@ -43,9 +46,9 @@ COMMENT ON COLUMN {outbox}.dead_at IS
 -- The relay's scan: pending events in id order. Dead events are not in it.
 CREATE INDEX {pending_idx} ON {outbox} (id)
     WHERE published_at IS NULL AND dead_at IS NULL;
--- Per-aggregate order: is there an earlier unfinished event of this aggregate?
-CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, id)
-    WHERE published_at IS NULL;
+-- The few events that hold their aggregate back: dead or parked.
+CREATE INDEX {stalled_idx} ON {outbox} (aggregate_id, id)
+    WHERE published_at IS NULL AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL);
 
 -- One row per batch a relay is working on: the events it claimed, until when. Claims are taken
 -- one relay at a time (an advisory lock), so an event is never claimed twice at once, and no
@@ -80,23 +83,20 @@ CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
 "#,
 )];
 
-/// Starts a claim: its commit does not wait for the disk (a claim lost in a crash only lets the
-/// events be claimed again), and it takes the claim lock.
-const RELAY_TRANSACTION: &str =
-    "SELECT set_config('synchronous_commit', 'off', true), pg_advisory_xact_lock($1)";
-
 /// The SQL of one set of tables.
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
-    /// The key of the advisory lock that serialises claims (the one-key form, which never
-    /// collides with the two-key locks of publishing and migrating).
-    claim_lock: i64,
+    /// Begins a claim: takes the advisory lock that serialises claims (its one-key form never
+    /// collides with the two-key locks of publishing and migrating), and lets the commit skip
+    /// waiting for the disk (a claim lost in a crash only lets the events be claimed again).
+    claim_begin: SqlStr,
     insert_one: SqlStr,
     insert: SqlStr,
-    claim_events: SqlStr,
-    claim_deliveries: SqlStr,
+    claim: SqlStr,
+    /// `record` when every claimed event was simply published: the common case, made cheap.
+    record_published: SqlStr,
     record: SqlStr,
     requeue_events: SqlStr,
     requeue_subscriber: SqlStr,
@@ -119,7 +119,12 @@ impl Backend for Postgres {
         let claims = names.qualified("_claims");
         PgQueries {
             lock_namespace: names.lock_namespace(),
-            claim_lock: (i64::from(names.lock_namespace()) << 1) | 1,
+            claim_begin: sql(format!(
+                "BEGIN; SELECT set_config('synchronous_commit', 'off', true), \
+                 set_config('plan_cache_mode', 'force_generic_plan', true), \
+                 pg_advisory_xact_lock({})",
+                (i64::from(names.lock_namespace()) << 1) | 1
+            )),
             insert_one: sql(format!(
                 r#"
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
@@ -140,7 +145,7 @@ FROM unnest($3::text[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[])
 WHERE (SELECT count(*) FROM locks) >= 0
 ORDER BY e.n"#
             )),
-            claim_events: sql(format!(
+            claim: sql(format!(
                 r#"
 WITH expired AS (
     DELETE FROM {claims} WHERE until < now()
@@ -149,45 +154,35 @@ active AS (
     SELECT unnest(event_ids) AS id FROM {claims} WHERE until >= now()
 ),
 candidates AS (
-    SELECT o.id, o.aggregate_id FROM {outbox} AS o
+    SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at,
+           o.retry_count
+    FROM {outbox} AS o
     WHERE o.published_at IS NULL AND o.dead_at IS NULL
       AND (o.next_retry_at IS NULL OR o.next_retry_at <= now())
       AND NOT EXISTS (SELECT 1 FROM active AS a WHERE a.id = o.id)
     ORDER BY o.id
     LIMIT $1
 ),
+stalled AS (
+    -- Events that hold their aggregate's later events back: dead, parked, or in another relay's
+    -- claim. Every eligible event before a candidate is a candidate too (the scan is in id
+    -- order), so these are the only ones a candidate can wait for.
+    SELECT e.aggregate_id, e.id FROM {outbox} AS e
+    WHERE e.published_at IS NULL AND (e.dead_at IS NOT NULL OR e.next_retry_at > now())
+    UNION ALL
+    SELECT o.aggregate_id, o.id FROM active AS a
+    JOIN {outbox} AS o ON o.id = a.id AND o.published_at IS NULL
+),
 claimable AS (
-    -- Every eligible event before a candidate is a candidate too (they come in id order), so a
-    -- candidate waits only for an earlier event of its aggregate that is not eligible: dead,
-    -- parked, or in another relay's claim.
-    SELECT c.id, c.aggregate_id FROM candidates AS c
+    SELECT c.* FROM candidates AS c
     WHERE NOT EXISTS (
-        SELECT 1 FROM {outbox} AS e
-        WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.published_at IS NULL
-          AND (e.dead_at IS NOT NULL OR e.next_retry_at > now()
-               OR EXISTS (SELECT 1 FROM active AS a WHERE a.id = e.id)))
+        SELECT 1 FROM stalled AS s WHERE s.aggregate_id = c.aggregate_id AND s.id < c.id)
 ),
 claim AS (
     INSERT INTO {claims} (until, event_ids)
-    SELECT now() + $2 * interval '1 second', array_agg(id) FROM claimable
-    HAVING count(*) > 0
-)
-SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
-       o.occurred_at, o.retry_count AS attempts, NULL::text AS subscriber,
-       coalesce(b.subscribers, '{{}}') AS blocked
-FROM claimable AS c
-JOIN {outbox} AS o ON o.id = c.id
-LEFT JOIN (
-    SELECT d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
-    FROM {deliveries} AS d
-    WHERE d.aggregate_id IN (SELECT aggregate_id FROM claimable)
-    GROUP BY d.aggregate_id
-) AS b ON b.aggregate_id = o.aggregate_id
-ORDER BY o.id"#
-            )),
-            claim_deliveries: sql(format!(
-                r#"
-WITH due AS (
+    SELECT now() + $2 * interval '1 second', array_agg(id) FROM claimable HAVING count(*) > 0
+),
+due AS (
     SELECT d.subscriber, d.event_id FROM {deliveries} AS d
     WHERE d.dead_at IS NULL AND d.next_retry_at <= now()
       AND (d.claimed_until IS NULL OR d.claimed_until < now())
@@ -198,12 +193,41 @@ WITH due AS (
     ORDER BY d.event_id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
+),
+claimed_deliveries AS (
+    UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
+    FROM due JOIN {outbox} AS o ON o.id = due.event_id
+    WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
+    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
+              o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked
+),
+claimed_events AS (
+    SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload::text AS payload,
+           c.occurred_at, c.retry_count AS attempts, NULL::text AS subscriber,
+           coalesce(b.subscribers, '{{}}') AS blocked
+    FROM claimable AS c
+    LEFT JOIN (
+        SELECT d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
+        FROM {deliveries} AS d
+        WHERE d.aggregate_id IN (SELECT aggregate_id FROM claimable)
+        GROUP BY d.aggregate_id
+    ) AS b ON b.aggregate_id = c.aggregate_id
 )
-UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
-FROM due JOIN {outbox} AS o ON o.id = due.event_id
-WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
-RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
-          o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked"#
+SELECT * FROM claimed_events
+UNION ALL
+SELECT * FROM claimed_deliveries"#
+            )),
+            record_published: sql(format!(
+                r#"
+WITH asynchronous AS (
+    -- As in `record`.
+    SELECT set_config('synchronous_commit', 'off', true)
+),
+finished AS (
+    DELETE FROM {claims} WHERE event_ids && $1::int8[]
+)
+UPDATE {outbox} SET published_at = now()
+WHERE id = ANY($1::int8[]) AND (SELECT count(*) FROM asynchronous) = 1"#
             )),
             record: sql(format!(
                 r#"
@@ -405,25 +429,14 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         limit: u32,
         lease: Duration,
     ) -> Result<Vec<Claim>, sqlx::Error> {
-        let mut tx = pool.begin().await?;
         // One claimer at a time; the claim statement that follows sees every claim committed
-        // before the lock was granted.
-        sqlx::query(RELAY_TRANSACTION)
-            .bind(queries.claim_lock)
-            .execute(&mut *tx)
-            .await?;
-        let mut rows = sqlx::query(queries.claim_events.clone())
+        // before the lock was granted. (`BEGIN` and the lock go in one round trip.)
+        let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
+        let rows = sqlx::query(queries.claim.clone())
             .bind(i64::from(limit))
             .bind(lease.as_secs_f64())
             .fetch_all(&mut *tx)
             .await?;
-        rows.extend(
-            sqlx::query(queries.claim_deliveries.clone())
-                .bind(i64::from(limit))
-                .bind(lease.as_secs_f64())
-                .fetch_all(&mut *tx)
-                .await?,
-        );
         tx.commit().await?;
         let mut claims = rows
             .iter()
@@ -438,6 +451,19 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         outcomes: &Outcomes,
     ) -> Result<(), sqlx::Error> {
+        let all_published = outcomes.deliveries.is_empty()
+            && outcomes
+                .events
+                .iter()
+                .all(|(_, outcome)| *outcome == EventOutcome::Published);
+        if all_published {
+            let ids: Vec<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
+            sqlx::query(queries.record_published.clone())
+                .bind(ids)
+                .execute(pool)
+                .await?;
+            return Ok(());
+        }
         let mut published = Vec::new();
         let (mut parked_ids, mut parked_reasons, mut parked_delays) = (vec![], vec![], vec![]);
         let (mut dead_ids, mut dead_reasons) = (vec![], vec![]);
@@ -555,6 +581,28 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         Ok(crate::Status::from_counts(events, deliveries, dead))
     }
 
+    async fn notify(pool: &PgPool, channel: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_notify($1, '')")
+            .bind(channel)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn listen(pool: PgPool, channel: String, wake: Weak<Notify>) {
+        // Reconnects after losing the connection; wakes once after each (re)connection, since
+        // notifications sent meanwhile are lost.
+        while wake.strong_count() > 0 {
+            match listen_until_lost(&pool, &channel, &wake).await {
+                Ok(()) => return,
+                Err(error) => {
+                    tracing::debug!(%error, "outbox relay lost its LISTEN connection; reconnecting");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+    }
+
     async fn requeue(
         pool: &PgPool,
         queries: &PgQueries,
@@ -573,6 +621,31 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 .execute(pool)
                 .await?
                 .rows_affected()),
+        }
+    }
+}
+
+/// Passes notifications on `channel` to `wake` until `wake` is gone (`Ok`) or the connection is
+/// lost (`Err`).
+async fn listen_until_lost(
+    pool: &PgPool,
+    channel: &str,
+    wake: &Weak<Notify>,
+) -> Result<(), sqlx::Error> {
+    let mut listener = PgListener::connect_with(pool).await?;
+    listener.ignore_pool_close_event(true);
+    listener.listen(channel).await?;
+    loop {
+        let Some(wake) = wake.upgrade() else {
+            return Ok(());
+        };
+        wake.notify_one();
+        drop(wake);
+        // Wake up now and then to notice that the store is gone.
+        match tokio::time::timeout(Duration::from_secs(30), listener.try_recv()).await {
+            Ok(Ok(Some(_))) | Err(_) => {}
+            Ok(Ok(None)) => return Err(sqlx::Error::PoolClosed),
+            Ok(Err(error)) => return Err(error),
         }
     }
 }

@@ -507,6 +507,13 @@ DELETE FROM {outbox} WHERE id IN (
         Ok(crate::Status::from_counts(events, deliveries, dead))
     }
 
+    /// One process per database file: commits wake relays in-process, nothing to send.
+    async fn notify(_: &SqlitePool, _: &str) -> Result<(), sqlx::Error> {
+        Ok(())
+    }
+
+    async fn listen(_: SqlitePool, _: String, _: std::sync::Weak<tokio::sync::Notify>) {}
+
     async fn requeue(
         pool: &SqlitePool,
         queries: &SqliteQueries,

@@ -149,3 +149,47 @@ async fn a_late_commit_is_delivered_and_in_order_within_its_aggregate() {
     );
     assert_eq!(ids[0].0, 1, "and the first id of all: {ids:?}");
 }
+
+#[tokio::test]
+async fn a_commit_in_another_process_wakes_an_idle_relay() {
+    let (db, producer) = setup().await;
+    // Another Outbox on its own pool shares nothing in memory with the producer's: only the
+    // database can carry the wake-up, as between two processes.
+    let consumer: TestOutbox = Outbox::new(db.pool_named("other_process", 2).await);
+    let probe = Probe::default();
+    let store = outbox_tests::kit::WatchedStore::new(consumer.store());
+    let idle = store.idle.clone();
+    let sleepy = config().with_poll_interval(Duration::from_secs(3600));
+    let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    idle.notified().await;
+    // The relay now waits: for its poll interval (an hour), or for a notification. Wait until its
+    // LISTEN is in place, then publish from the other side.
+    wait_until_listening(&db).await;
+    let a = Uuid::new_v4();
+    publish_one(&producer, a, 1).await;
+    wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    worker.abort();
+}
+
+async fn wait_until_listening(db: &TestDb) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    loop {
+        let listening: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM pg_stat_activity
+             WHERE datname = $1 AND application_name = 'other_process' AND query LIKE 'LISTEN%'",
+        )
+        .bind(db.name())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if listening > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the relay never listened"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
