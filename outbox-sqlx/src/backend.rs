@@ -69,18 +69,21 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         queries: &Self::Queries,
     ) -> impl Future<Output = Result<crate::Status, sqlx::Error>> + Send;
 
-    /// Sends the wake-up hint to relays of other processes.
+    /// Sends the wake-up hint to relays of other processes, marked with `sender`.
     #[doc(hidden)]
     fn notify(
         pool: &Pool<Self>,
         channel: &str,
+        sender: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Listens for wake-up hints and passes them to `wake`, until `wake` is gone.
+    /// Listens for wake-up hints and passes those not marked with `own` to `wake`, until `wake`
+    /// is gone.
     #[doc(hidden)]
     fn listen(
         pool: Pool<Self>,
         channel: String,
+        own: String,
         wake: std::sync::Weak<tokio::sync::Notify>,
     ) -> impl Future<Output = ()> + Send + 'static;
 

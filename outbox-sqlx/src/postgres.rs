@@ -581,19 +581,20 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         Ok(crate::Status::from_counts(events, deliveries, dead))
     }
 
-    async fn notify(pool: &PgPool, channel: &str) -> Result<(), sqlx::Error> {
-        sqlx::query("SELECT pg_notify($1, '')")
+    async fn notify(pool: &PgPool, channel: &str, sender: &str) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_notify($1, $2)")
             .bind(channel)
+            .bind(sender)
             .execute(pool)
             .await?;
         Ok(())
     }
 
-    async fn listen(pool: PgPool, channel: String, wake: Weak<Notify>) {
+    async fn listen(pool: PgPool, channel: String, own: String, wake: Weak<Notify>) {
         // Reconnects after losing the connection; wakes once after each (re)connection, since
         // notifications sent meanwhile are lost.
         while wake.strong_count() > 0 {
-            match listen_until_lost(&pool, &channel, &wake).await {
+            match listen_until_lost(&pool, &channel, &own, &wake).await {
                 Ok(()) => return,
                 Err(error) => {
                     tracing::debug!(%error, "outbox relay lost its LISTEN connection; reconnecting");
@@ -625,28 +626,34 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
     }
 }
 
-/// Passes notifications on `channel` to `wake` until `wake` is gone (`Ok`) or the connection is
-/// lost (`Err`).
+/// Passes notifications on `channel`, except those marked `own`, to `wake` until `wake` is gone
+/// (`Ok`) or the connection is lost (`Err`).
 async fn listen_until_lost(
     pool: &PgPool,
     channel: &str,
+    own: &str,
     wake: &Weak<Notify>,
 ) -> Result<(), sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
     listener.ignore_pool_close_event(true);
     listener.listen(channel).await?;
+    // Notifications sent while not listening are lost: look once.
+    let mut look = true;
     loop {
         let Some(wake) = wake.upgrade() else {
             return Ok(());
         };
-        wake.notify_one();
+        if look {
+            wake.notify_one();
+        }
         drop(wake);
         // Wake up now and then to notice that the store is gone.
-        match tokio::time::timeout(Duration::from_secs(30), listener.try_recv()).await {
-            Ok(Ok(Some(_))) | Err(_) => {}
+        look = match tokio::time::timeout(Duration::from_secs(30), listener.try_recv()).await {
+            Ok(Ok(Some(notification))) => notification.payload() != own,
+            Err(_) => false,
             Ok(Ok(None)) => return Err(sqlx::Error::PoolClosed),
             Ok(Err(error)) => return Err(error),
-        }
+        };
     }
 }
 

@@ -508,11 +508,11 @@ DELETE FROM {outbox} WHERE id IN (
     }
 
     /// One process per database file: commits wake relays in-process, nothing to send.
-    async fn notify(_: &SqlitePool, _: &str) -> Result<(), sqlx::Error> {
+    async fn notify(_: &SqlitePool, _: &str, _: &str) -> Result<(), sqlx::Error> {
         Ok(())
     }
 
-    async fn listen(_: SqlitePool, _: String, _: std::sync::Weak<tokio::sync::Notify>) {}
+    async fn listen(_: SqlitePool, _: String, _: String, _: std::sync::Weak<tokio::sync::Notify>) {}
 
     async fn requeue(
         pool: &SqlitePool,

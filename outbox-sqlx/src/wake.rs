@@ -27,6 +27,9 @@ pub(crate) struct Wakeups {
     local: Arc<Notify>,
     /// The `NOTIFY` channel of these tables.
     channel: String,
+    /// The payload of this handle's own notifications, which its listener ignores: this process's
+    /// relays were woken at commit already, and the echo would only cost them an empty claim.
+    sender: String,
     /// Off for connection poolers that do not support `LISTEN` (poll-only mode).
     cross_process: AtomicBool,
     /// Pokes the task that sends `NOTIFY`; started by the first commit.
@@ -40,6 +43,7 @@ impl Wakeups {
         Self {
             local: Arc::new(Notify::new()),
             channel: format!("outbox_{:08x}", names.lock_namespace()),
+            sender: uuid::Uuid::new_v4().simple().to_string(),
             cross_process: AtomicBool::new(true),
             notifier: OnceLock::new(),
             listening: AtomicBool::new(false),
@@ -58,11 +62,12 @@ impl Wakeups {
         }
         let notifier = self.notifier.get_or_init(|| {
             let (poke, mut poked) = mpsc::channel::<()>(1);
-            let (pool, channel) = (pool.clone(), self.channel.clone());
+            let (pool, channel, sender) =
+                (pool.clone(), self.channel.clone(), self.sender.clone());
             tokio::spawn(async move {
                 // Ends when the outbox is dropped, with the sender.
                 while poked.recv().await.is_some() {
-                    if let Err(error) = DB::notify(&pool, &channel).await {
+                    if let Err(error) = DB::notify(&pool, &channel, &sender).await {
                         tracing::debug!(%error, "outbox could not notify relays in other processes");
                     }
                     // Commits meanwhile share the next NOTIFY: at most one per gap, however many
@@ -83,7 +88,12 @@ impl Wakeups {
             && !self.listening.swap(true, Ordering::AcqRel)
         {
             let wake: Weak<Notify> = Arc::downgrade(&self.local);
-            tokio::spawn(DB::listen(pool.clone(), self.channel.clone(), wake));
+            tokio::spawn(DB::listen(
+                pool.clone(),
+                self.channel.clone(),
+                self.sender.clone(),
+                wake,
+            ));
         }
         self.local.notified().await;
     }
