@@ -65,6 +65,7 @@ mod relay;
 mod retry;
 mod routing;
 pub mod store;
+pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -72,13 +73,13 @@ pub use envelope::{Envelope, Metadata, RawEnvelope, TraceContext, decode, encode
 pub use error::{ConfigError, DecodeError, EncodeError, PublishError, StoreError};
 pub use event::{AggregateId, BoxError, OutboxEvent, Timestamp, Upcaster};
 pub use publish::Publish;
-pub use relay::{BatchReport, Relay, RelayConfig};
+pub use relay::{BatchReport, Relay, RelayConfig, Retention};
 pub use retry::RetryPolicy;
 pub use routing::{
     Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, RoutedBy, Router, Routes,
     Subscriber,
 };
-pub use store::{Store, StoredEvent};
+pub use store::{Status, Store, StoredEvent};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct with named fields.
 ///

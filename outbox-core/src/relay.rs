@@ -9,14 +9,17 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::{Empty, display};
 use uuid::Uuid;
 
 use crate::error::{ConfigError, StoreError};
 use crate::retry::RetryPolicy;
 use crate::routing::{Decoded, Delivery, HandlerError, Router};
 use crate::store::{
-    Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
+    Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Status, Store, StoredEvent,
 };
+use crate::telemetry::{self, status};
 
 /// Errors stored with a delivery are cut to this many bytes.
 const MAX_ERROR_LEN: usize = 4096;
@@ -43,6 +46,8 @@ pub struct RelayConfig {
     park_delay: Duration,
     retry: RetryPolicy,
     max_error_backoff: Duration,
+    status_interval: Duration,
+    retention: Option<Retention>,
 }
 
 impl Default for RelayConfig {
@@ -55,6 +60,8 @@ impl Default for RelayConfig {
             park_delay: Duration::from_secs(300),
             retry: RetryPolicy::default(),
             max_error_backoff: Duration::from_secs(30),
+            status_interval: Duration::from_secs(15),
+            retention: None,
         }
     }
 }
@@ -113,6 +120,36 @@ impl RelayConfig {
         self
     }
 
+    /// How often a running relay reads the store's [`Status`] into the
+    /// [gauges](crate::telemetry) (default 15 s).
+    #[must_use]
+    pub fn with_status_interval(mut self, interval: Duration) -> Self {
+        self.status_interval = interval;
+        self
+    }
+
+    /// Deletes old published events as the relay runs (default: off; see [`Retention`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use outbox_core::{RelayConfig, Retention};
+    ///
+    /// // Keep published events for 7 days; delete 1000 per statement.
+    /// let config = RelayConfig::default()
+    ///     .with_retention(Retention::keep(Duration::from_secs(7 * 24 * 3600)).with_batch_size(1000));
+    /// assert_eq!(config.retention().unwrap().batch_size(), 1000);
+    /// ```
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// The retention, if any.
+    pub fn retention(&self) -> Option<&Retention> {
+        self.retention.as_ref()
+    }
+
     /// The poll interval.
     pub fn poll_interval(&self) -> Duration {
         self.poll_interval
@@ -148,10 +185,23 @@ impl RelayConfig {
             ("handler timeout", self.handler_timeout),
             ("park delay", self.park_delay),
             ("error backoff", self.max_error_backoff),
+            ("status interval", self.status_interval),
+            (
+                "retention interval",
+                self.retention.map_or(Duration::MAX, |r| r.interval),
+            ),
         ] {
             if value.is_zero() {
                 return invalid(setting, "must be greater than zero".to_owned());
             }
+        }
+        if let Some(retention) = &self.retention
+            && !(1..=10_000).contains(&retention.batch_size)
+        {
+            return invalid(
+                "retention batch size",
+                format!("{} is outside 1..=10000", retention.batch_size),
+            );
         }
         if self.handler_timeout > self.lease / 2 {
             return invalid(
@@ -164,6 +214,71 @@ impl RelayConfig {
             );
         }
         Ok(())
+    }
+}
+
+/// Which published events a relay deletes as it runs, and how: see
+/// [`RelayConfig::with_retention`].
+///
+/// The relay deletes events published more than [`keep`](Self::keep) ago, one batch per
+/// statement, between its own batches; once a batch comes back short, it waits
+/// [`interval`](Self::interval) before looking again. Dead letters, events not yet published and
+/// events some subscriber has not received yet are never deleted. Several relays may purge at
+/// once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    keep: Duration,
+    batch_size: u32,
+    interval: Duration,
+}
+
+impl Default for Retention {
+    /// The seed's rule: published events go after 30 days; 500 per batch, looked for every minute.
+    fn default() -> Self {
+        Self {
+            keep: Duration::from_secs(30 * 24 * 3600),
+            batch_size: 500,
+            interval: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Retention {
+    /// Keeps published events for `window` (the default is 30 days).
+    pub fn keep(window: Duration) -> Self {
+        Self {
+            keep: window,
+            ..Self::default()
+        }
+    }
+
+    /// Deletes at most `size` events per statement (default 500, at most 10 000).
+    #[must_use]
+    pub fn with_batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// Waits `interval` after a short batch before looking for old events again (default 60 s).
+    #[must_use]
+    pub fn with_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// How long published events are kept.
+    pub fn window(&self) -> Duration {
+        self.keep
+    }
+
+    /// Events deleted per statement.
+    pub fn batch_size(&self) -> u32 {
+        self.batch_size
+    }
+
+    /// The wait after a short batch.
+    pub fn interval(&self) -> Duration {
+        self.interval
     }
 }
 
@@ -217,10 +332,27 @@ struct BatchState {
     delivered: usize,
 }
 
+/// When a running relay next reports its status and purges old events.
+struct Chores {
+    next_status: Instant,
+    next_purge: Instant,
+}
+
+impl Chores {
+    fn new() -> Self {
+        let now = Instant::now();
+        Self {
+            next_status: now,
+            next_purge: now,
+        }
+    }
+}
+
 impl<S: Store, R: Router> Relay<S, R> {
     /// A relay over `store` and `router`, or the first invalid setting of `config`.
     pub fn new(store: S, router: R, config: RelayConfig) -> Result<Self, ConfigError> {
         config.validate()?;
+        telemetry::describe();
         Ok(Self {
             store,
             router,
@@ -250,6 +382,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut backoff = Duration::ZERO;
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<Outcomes> = None;
+        let mut chores = Chores::new();
         loop {
             if (&mut shutdown).now_or_never().is_some() {
                 if let Some(outcomes) = unrecorded.take() {
@@ -257,6 +390,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 return;
             }
+            self.do_chores(&mut chores).await;
             let recording = unrecorded.is_some();
             let claimed = match unrecorded.take() {
                 None => self.claim().await,
@@ -313,6 +447,48 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
     }
 
+    /// Reads the store's [`Status`] and sets the [gauges](crate::telemetry) from it. A running
+    /// relay does this every [status interval](RelayConfig::with_status_interval).
+    pub async fn report_status(&self) -> Result<Status, StoreError> {
+        let status = self.store.status().await?;
+        telemetry::report(&status);
+        Ok(status)
+    }
+
+    /// Reports the status and purges old events when they are due. Failures are logged: chores
+    /// never stop deliveries.
+    async fn do_chores(&self, chores: &mut Chores) {
+        let now = Instant::now();
+        if now >= chores.next_status {
+            chores.next_status = now + self.config.status_interval;
+            if let Err(error) = self.report_status().await {
+                tracing::warn!(%error, "outbox relay cannot read the store's status");
+            }
+        }
+        if let Some(retention) = &self.config.retention
+            && now >= chores.next_purge
+        {
+            chores.next_purge = match self
+                .store
+                .purge_published(retention.keep, retention.batch_size)
+                .await
+            {
+                // A full batch: there may be more; go on after the next batch of deliveries.
+                Ok(deleted) if deleted >= u64::from(retention.batch_size) => now,
+                Ok(deleted) => {
+                    if deleted > 0 {
+                        tracing::debug!(deleted, "outbox relay purged old published events");
+                    }
+                    now + retention.interval
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "outbox relay cannot purge old published events");
+                    now + retention.interval
+                }
+            };
+        }
+    }
+
     /// Claims one batch, delivers it, and records the outcomes.
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
         let claims = self.claim().await?;
@@ -329,8 +505,25 @@ impl<S: Store, R: Router> Relay<S, R> {
             .await
     }
 
-    /// Hands claimed events and deliveries to their subscribers.
+    /// Hands claimed events and deliveries to their subscribers, in a batch span.
     async fn deliver(&self, claims: Vec<Claim>) -> (BatchReport, Outcomes) {
+        let span = tracing::info_span!(
+            "outbox.batch",
+            claimed = claims.len(),
+            delivered = Empty,
+            retried = Empty,
+            dead = Empty,
+            parked = Empty,
+        );
+        let (report, outcomes) = self.deliver_batch(claims).instrument(span.clone()).await;
+        span.record("delivered", report.delivered);
+        span.record("retried", report.retried);
+        span.record("dead", report.dead);
+        span.record("parked", report.parked);
+        (report, outcomes)
+    }
+
+    async fn deliver_batch(&self, claims: Vec<Claim>) -> (BatchReport, Outcomes) {
         let deadline = Instant::now() + self.config.lease / 2;
         let mut report = BatchReport {
             claimed: claims.len(),
@@ -388,6 +581,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
         let Some(subscribers) = self.router.subscribers(&event.event_type) else {
             state.stalled.insert(event.aggregate_id);
+            telemetry::dispatched(&event.event_type, status::PARKED);
             outcomes.events.push((
                 event.id,
                 EventOutcome::Parked {
@@ -406,11 +600,19 @@ impl<S: Store, R: Router> Relay<S, R> {
                 state.stalled.insert(event.aggregate_id);
                 let reason = truncate(error.to_string());
                 let outcome = if error.may_decode_in_newer_build() {
+                    telemetry::dispatched(&event.event_type, status::PARKED);
                     EventOutcome::Parked {
                         reason,
                         retry_in: self.config.park_delay,
                     }
                 } else {
+                    telemetry::dispatched(&event.event_type, status::DEAD);
+                    tracing::error!(
+                        event_id = event.id,
+                        event_type = %event.event_type,
+                        %reason,
+                        "outbox event can never be decoded: a dead letter"
+                    );
                     EventOutcome::Dead { reason }
                 };
                 outcomes.events.push((event.id, outcome));
@@ -431,7 +633,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                         state.delivered += 1;
                         continue;
                     }
-                    Err(error) => self.after_failure(&error, 1),
+                    Err(outcome) => outcome,
                 }
             };
             state
@@ -461,6 +663,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .subscribers(&event.event_type)
             .is_some_and(|subscribers| subscribers.contains(&subscriber));
         let outcome = if !routed {
+            telemetry::dispatched(&event.event_type, status::PARKED);
             self.park_delivery(
                 attempts,
                 format!(
@@ -471,12 +674,16 @@ impl<S: Store, R: Router> Relay<S, R> {
         } else {
             match self.router.decode(event) {
                 Err(error) if error.may_decode_in_newer_build() => {
+                    telemetry::dispatched(&event.event_type, status::PARKED);
                     self.park_delivery(attempts, error.to_string())
                 }
-                Err(error) => DeliveryOutcome::Dead {
-                    attempts,
-                    error: truncate(error.to_string()),
-                },
+                Err(error) => {
+                    telemetry::dispatched(&event.event_type, status::DEAD);
+                    DeliveryOutcome::Dead {
+                        attempts,
+                        error: truncate(error.to_string()),
+                    }
+                }
                 Ok(decoded) => {
                     let attempt = attempts.saturating_add(1);
                     match self.attempt(subscriber, event, &decoded, attempt).await {
@@ -484,7 +691,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                             state.delivered += 1;
                             DeliveryOutcome::Delivered
                         }
-                        Err(error) => self.after_failure(&error, attempt),
+                        Err(outcome) => outcome,
                     }
                 }
             }
@@ -495,8 +702,62 @@ impl<S: Store, R: Router> Relay<S, R> {
         outcome
     }
 
-    /// Calls one handler, turning a timeout or a panic into a transient error.
+    /// Calls one handler in a delivery span, turning a timeout or a panic into a transient
+    /// error, and counts the outcome; a failure comes back as what to record.
     async fn attempt(
+        &self,
+        subscriber: &str,
+        event: &StoredEvent,
+        decoded: &Decoded,
+        attempt: u32,
+    ) -> Result<(), DeliveryOutcome> {
+        let metadata = decoded.metadata();
+        let span = tracing::info_span!(
+            "outbox.deliver",
+            event_id = event.id,
+            event_type = %event.event_type,
+            aggregate_id = %event.aggregate_id,
+            subscriber,
+            attempt,
+            correlation_id = Empty,
+            causation_id = Empty,
+            traceparent = Empty,
+        );
+        if let Some(id) = metadata.correlation_id() {
+            span.record("correlation_id", display(id));
+        }
+        if let Some(id) = metadata.causation_id() {
+            span.record("causation_id", display(id));
+        }
+        if let Some(traceparent) = metadata.trace_context().get("traceparent") {
+            span.record("traceparent", traceparent);
+        }
+        #[cfg(feature = "opentelemetry")]
+        telemetry::link(&span, metadata.trace_context());
+        let started = Instant::now();
+        let result = self
+            .call(subscriber, event, decoded, attempt)
+            .instrument(span.clone())
+            .await;
+        telemetry::dispatch_duration(&event.event_type, started.elapsed());
+        let Err(error) = result else {
+            telemetry::dispatched(&event.event_type, status::DELIVERED);
+            return Ok(());
+        };
+        let outcome = self.after_failure(&error, attempt);
+        let _entered = span.enter();
+        if let DeliveryOutcome::Retry { retry_in, .. } = &outcome {
+            telemetry::dispatched(&event.event_type, status::RETRY);
+            tracing::warn!(%error, ?retry_in, "outbox handler failed; it will be retried");
+        } else {
+            telemetry::dispatched(&event.event_type, status::DEAD);
+            tracing::error!(%error, "outbox handler failed for good: a dead letter");
+        }
+        Err(outcome)
+    }
+
+    /// Calls one handler, turning a timeout or a panic into a transient error.
+    async fn call(
         &self,
         subscriber: &str,
         event: &StoredEvent,

@@ -169,6 +169,39 @@ pub enum Requeue {
     Subscriber(String),
 }
 
+/// What a store holds that is not done: the figures behind the relay's gauges and the
+/// operators' `status`.
+///
+/// ```
+/// use outbox_core::store::Status;
+///
+/// let status = Status::default();
+/// assert!(status.is_settled());
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Status {
+    /// Events not yet handed to all their subscribers (parked ones included), dead ones excluded.
+    pub pending_events: u64,
+    /// Subscribers' deliveries waiting for a retry or behind an earlier event, dead ones excluded.
+    pub pending_deliveries: u64,
+    /// Dead events and dead deliveries: they wait for an operator.
+    pub dead_letters: u64,
+    /// How long ago the oldest pending event occurred (by its `occurred_at`); `None` when no
+    /// event is pending.
+    pub oldest_pending_age: Option<Duration>,
+    /// (subscriber, aggregate) pairs with an undelivered delivery, dead or not: later events of
+    /// that aggregate wait for that subscriber.
+    pub blocked_keys: u64,
+}
+
+impl Status {
+    /// Whether the relay has nothing left to do but dead letters.
+    pub fn is_settled(&self) -> bool {
+        self.pending_events == 0 && self.pending_deliveries == 0
+    }
+}
+
 /// The relay's view of a database: claim work, record what happened, requeue dead letters.
 ///
 /// Implemented by the PostgreSQL and SQLite stores of `outbox-sqlx`.
@@ -191,6 +224,18 @@ pub trait Store: Send + Sync + 'static {
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     fn requeue(&self, which: &Requeue) -> impl Future<Output = Result<u64, StoreError>> + Send;
+
+    /// Counts what is not done.
+    fn status(&self) -> impl Future<Output = Result<Status, StoreError>> + Send;
+
+    /// Deletes at most `limit` events published more than `older_than` ago, oldest first, and
+    /// returns how many went. Never deletes a dead letter, an event not yet published, or one
+    /// some subscriber has not received yet.
+    fn purge_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
 
     /// Resolves when new work may have arrived, such as after a commit in this process. The relay
     /// also polls, so a store without such a signal may never resolve.

@@ -76,7 +76,9 @@ use crate::event::OutboxEvent;
 use crate::publish::Publish;
 use crate::relay::{BatchReport, Relay};
 use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
-use crate::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Store, StoredEvent};
+use crate::store::{
+    Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status, Store, StoredEvent,
+};
 
 /// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,6 +158,8 @@ impl RecordingPublisher {
         event: &E,
         metadata: &Metadata,
     ) -> Result<(), EncodeError> {
+        #[cfg(feature = "opentelemetry")]
+        let metadata = &metadata.clone().with_current_trace_context();
         self.records.push(Recorded {
             event_type: E::EVENT_TYPE,
             aggregate_type: E::AGGREGATE_TYPE,
@@ -373,6 +377,7 @@ pub struct MemoryDelivery {
 #[derive(Debug)]
 struct EventRow {
     event: MemoryEvent,
+    published_at: Option<OffsetDateTime>,
     next_retry_at: Option<OffsetDateTime>,
     claimed_until: Option<OffsetDateTime>,
 }
@@ -446,6 +451,7 @@ impl MemoryStore {
                         parked: 0,
                         last_error: None,
                     },
+                    published_at: None,
                     next_retry_at: None,
                     claimed_until: None,
                 },
@@ -586,7 +592,10 @@ impl Store for MemoryStore {
             };
             row.claimed_until = None;
             match outcome {
-                EventOutcome::Published => row.event.published = true,
+                EventOutcome::Published => {
+                    row.event.published = true;
+                    row.published_at = Some(now);
+                }
                 EventOutcome::Parked { reason, retry_in } => {
                     row.event.parked += 1;
                     row.event.last_error = Some(reason.clone());
@@ -683,6 +692,59 @@ impl Store for MemoryStore {
             }
         }
         Ok(changed)
+    }
+
+    async fn status(&self) -> Result<Status, StoreError> {
+        let now = self.clock.now();
+        let state = lock(&self.state);
+        let mut status = Status::default();
+        for row in state.events.values() {
+            if row.event.dead {
+                status.dead_letters += 1;
+            } else if !row.event.published {
+                status.pending_events += 1;
+                let age = (now - row.event.stored.occurred_at)
+                    .try_into()
+                    .unwrap_or(Duration::ZERO);
+                status.oldest_pending_age = status.oldest_pending_age.max(Some(age));
+            }
+        }
+        let mut keys = BTreeSet::new();
+        for row in state.deliveries.values() {
+            if row.delivery.dead {
+                status.dead_letters += 1;
+            } else {
+                status.pending_deliveries += 1;
+            }
+            keys.insert((row.delivery.subscriber.as_str(), row.aggregate_id));
+        }
+        status.blocked_keys = keys.len() as u64;
+        Ok(status)
+    }
+
+    async fn purge_published(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        let Some(before) = time::Duration::try_from(older_than)
+            .ok()
+            .and_then(|window| self.clock.now().checked_sub(window))
+        else {
+            return Ok(0);
+        };
+        let mut state = lock(&self.state);
+        let state = &mut *state;
+        let doomed: Vec<i64> = state
+            .events
+            .iter()
+            .filter(|(id, row)| {
+                row.published_at.is_some_and(|at| at < before)
+                    && !state.deliveries.keys().any(|(event_id, _)| event_id == *id)
+            })
+            .map(|(id, _)| *id)
+            .take(usize::try_from(limit).unwrap_or(usize::MAX))
+            .collect();
+        for id in &doomed {
+            state.events.remove(id);
+        }
+        Ok(doomed.len() as u64)
     }
 
     async fn notified(&self) {

@@ -49,6 +49,7 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         outcomes: &Outcomes,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// Deletes one batch of old published events.
     #[doc(hidden)]
     fn purge_published(
         pool: &Pool<Self>,
@@ -67,7 +68,24 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     fn status(
         pool: &Pool<Self>,
         queries: &Self::Queries,
-    ) -> impl Future<Output = Result<crate::Status, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<outbox_core::store::Status, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn subscribers(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<Vec<SubscriberStatus>, sqlx::Error>> + Send;
+
+    /// Gives up one subscriber's delivery (or, with no subscriber, a dead or parked event) and
+    /// records it; false when there is no such delivery free to skip.
+    #[doc(hidden)]
+    fn skip(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        event_id: i64,
+        subscriber: Option<&str>,
+        reason: &str,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     /// Sends the wake-up hint to relays of other processes, marked with `sender`.
     #[doc(hidden)]
@@ -104,6 +122,50 @@ pub struct NewEvent {
     pub(crate) event_type: &'static str,
     pub(crate) payload: String,
     pub(crate) occurred_at: Option<OffsetDateTime>,
+}
+
+/// What one subscriber has left, as operators see it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SubscriberStatus {
+    /// The subscriber.
+    pub subscriber: String,
+    /// Deliveries waiting for a retry or behind an earlier event.
+    pub pending: u64,
+    /// Dead deliveries, waiting for an operator.
+    pub dead: u64,
+    /// Aggregates whose later events wait for this subscriber.
+    pub blocked_keys: u64,
+}
+
+/// Per-subscriber counts; the same SQL on every backend.
+pub(crate) fn subscribers_query(deliveries: &str) -> String {
+    format!(
+        "SELECT subscriber,
+                sum(CASE WHEN dead_at IS NULL THEN 1 ELSE 0 END) AS pending,
+                sum(CASE WHEN dead_at IS NOT NULL THEN 1 ELSE 0 END) AS dead,
+                count(DISTINCT aggregate_id) AS blocked
+         FROM {deliveries} GROUP BY subscriber ORDER BY subscriber"
+    )
+}
+
+pub(crate) fn subscriber_status<R: sqlx::Row>(row: &R) -> Result<SubscriberStatus, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok(SubscriberStatus {
+        subscriber: row.try_get("subscriber")?,
+        pending: row_count(row.try_get("pending")?),
+        dead: row_count(row.try_get("dead")?),
+        blocked_keys: row_count(row.try_get("blocked")?),
+    })
+}
+
+/// A row count from SQL as a `u64`.
+pub(crate) fn row_count(n: i64) -> u64 {
+    u64::try_from(n).unwrap_or(0)
 }
 
 pub(crate) mod sealed {

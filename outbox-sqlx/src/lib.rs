@@ -73,11 +73,12 @@ mod sqlite;
 mod tx;
 mod wake;
 
-pub use backend::Backend;
+pub use backend::{Backend, SubscriberStatus};
 pub use error::Error;
 pub use names::TableNames;
-pub use outbox::{DeadLetter, Outbox, SqlStore, Status};
+pub use outbox::{DeadLetter, Outbox, SqlStore};
 pub use outbox_core as core;
+pub use outbox_core::store::Status;
 pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
 };

@@ -94,7 +94,8 @@ impl TableNames {
         let mut text = template
             .replace("{outbox}", &table(""))
             .replace("{deliveries}", &table("_deliveries"))
-            .replace("{claims}", &table("_claims"));
+            .replace("{claims}", &table("_claims"))
+            .replace("{skips}", &table("_skips"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
         }

@@ -3,12 +3,12 @@
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, SubscriberStatus};
 use crate::error::Error;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
-use outbox_core::store::{Claim, Outcomes, Requeue};
+use outbox_core::store::{Claim, Outcomes, Requeue, Status};
 use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
 use sqlx::{Pool, Transaction};
 
@@ -133,9 +133,12 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Relay::new(self.store(), router, config)
     }
 
-    /// Deletes events published more than `older_than` ago, `batch_size` rows per statement, and
-    /// returns how many went. Dead letters and events some subscriber has not received yet are
-    /// never deleted.
+    /// Deletes events published more than `older_than` ago, `batch_size` rows per statement (each
+    /// its own short transaction), and returns how many went. Dead letters and events some
+    /// subscriber has not received yet are never deleted.
+    ///
+    /// A relay can do the same as it runs: see
+    /// [`RelayConfig::with_retention`](outbox_core::RelayConfig::with_retention).
     pub async fn purge_published(
         &self,
         older_than: std::time::Duration,
@@ -148,7 +151,15 @@ impl<DB: Backend, R> Outbox<DB, R> {
             }
             .into());
         }
-        Ok(DB::purge_published(self.pool(), self.queries(), older_than, batch_size).await?)
+        let mut total = 0;
+        loop {
+            let deleted =
+                DB::purge_published(self.pool(), self.queries(), older_than, batch_size).await?;
+            total += deleted;
+            if deleted < u64::from(batch_size) {
+                return Ok(total);
+            }
+        }
     }
 
     /// The dead letters: events that can never be decoded, and subscribers' deliveries that
@@ -165,6 +176,26 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
         self.store().requeue_rows(which).await
+    }
+
+    /// What each subscriber has left: pending and dead deliveries, and blocked aggregates.
+    /// Subscribers with nothing left are not listed.
+    pub async fn subscribers(&self) -> Result<Vec<SubscriberStatus>, Error> {
+        Ok(DB::subscribers(self.pool(), self.queries()).await?)
+    }
+
+    /// Gives up `subscriber`'s undelivered delivery of event `event_id`, so that its later events
+    /// flow again; with no subscriber, gives up a dead or parked event for every subscriber. The
+    /// skip is recorded, with `reason`, the attempts and the last error, in the
+    /// `<table>_skips` table. Returns false when there is nothing to skip: no such delivery (or
+    /// dead or parked event), or a relay is working on it right now.
+    pub async fn skip(
+        &self,
+        event_id: i64,
+        subscriber: Option<&str>,
+        reason: &str,
+    ) -> Result<bool, Error> {
+        Ok(DB::skip(self.pool(), self.queries(), event_id, subscriber, reason).await?)
     }
 
     /// The pool.
@@ -241,36 +272,24 @@ impl<DB: Backend> Store for SqlStore<DB> {
         self.requeue_rows(which).await.map_err(StoreError::new)
     }
 
+    async fn status(&self) -> Result<Status, StoreError> {
+        DB::status(&self.inner.pool, &self.inner.queries)
+            .await
+            .map_err(StoreError::new)
+    }
+
+    async fn purge_published(
+        &self,
+        older_than: std::time::Duration,
+        limit: u32,
+    ) -> Result<u64, StoreError> {
+        DB::purge_published(&self.inner.pool, &self.inner.queries, older_than, limit)
+            .await
+            .map_err(StoreError::new)
+    }
+
     async fn notified(&self) {
         self.inner.wakeups.notified(&self.inner.pool).await;
-    }
-}
-
-/// What an outbox holds that is not done.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Status {
-    /// Events not yet handed to all their subscribers (parked ones included), dead ones excluded.
-    pub pending_events: u64,
-    /// Subscribers' deliveries waiting for a retry or behind an earlier event, dead ones excluded.
-    pub pending_deliveries: u64,
-    /// Dead events and dead deliveries: they wait for an operator.
-    pub dead_letters: u64,
-}
-
-impl Status {
-    pub(crate) fn from_counts(events: i64, deliveries: i64, dead: i64) -> Self {
-        let count = |n: i64| u64::try_from(n).unwrap_or(0);
-        Self {
-            pending_events: count(events),
-            pending_deliveries: count(deliveries),
-            dead_letters: count(dead),
-        }
-    }
-
-    /// Whether the relay has nothing left to do but dead letters.
-    pub fn is_settled(&self) -> bool {
-        self.pending_events == 0 && self.pending_deliveries == 0
     }
 }
 

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
-use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue};
+use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status};
 use std::sync::Weak;
 
 use sqlx::postgres::{PgListener, PgRow};
@@ -12,17 +12,20 @@ use time::OffsetDateTime;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-use crate::backend::{Backend, NewEvent, sealed};
+use crate::backend::{
+    Backend, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status, subscribers_query,
+};
 use crate::error::Error;
 use crate::names::TableNames;
 
 impl sealed::Sealed for Postgres {}
 
 /// The migrations, in order; templates for [`TableNames::render`].
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "events and per-subscriber deliveries",
-    r#"
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "events and per-subscriber deliveries",
+        r#"
 CREATE TABLE {outbox} (
     id              BIGSERIAL PRIMARY KEY,
     aggregate_type  TEXT NOT NULL,
@@ -81,7 +84,24 @@ CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
 CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
     WHERE dead_at IS NULL;
 "#,
-)];
+    ),
+    (
+        2,
+        "a record of skipped deliveries",
+        r#"
+CREATE TABLE {skips} (
+    event_id    BIGINT NOT NULL,
+    subscriber  TEXT,
+    attempts    INTEGER NOT NULL,
+    last_error  TEXT,
+    reason      TEXT NOT NULL,
+    skipped_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+);
+COMMENT ON TABLE {skips} IS
+    'deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber';
+"#,
+    ),
+];
 
 /// The SQL of one set of tables.
 #[doc(hidden)]
@@ -102,7 +122,10 @@ pub struct PgQueries {
     requeue_subscriber: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
+    subscribers: SqlStr,
     dead_letters: SqlStr,
+    skip_delivery: SqlStr,
+    skip_event: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -117,6 +140,7 @@ impl Backend for Postgres {
         let outbox = names.qualified("");
         let deliveries = names.qualified("_deliveries");
         let claims = names.qualified("_claims");
+        let skips = names.qualified("_skips");
         PgQueries {
             lock_namespace: names.lock_namespace(),
             claim_begin: sql(format!(
@@ -322,10 +346,40 @@ ORDER BY event_id, subscriber"#
             )),
             status: sql(format!(
                 r#"
-SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL),
+SELECT p.events, p.oldest,
        (SELECT count(*) FROM {deliveries} WHERE dead_at IS NULL),
-       (SELECT count(*) FROM {outbox} WHERE dead_at IS NOT NULL)
-         + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL)"#
+       -- Dead events are never published: the partial index `stalled_idx` holds them.
+       (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NOT NULL)
+         + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL),
+       (SELECT count(*) FROM (SELECT DISTINCT subscriber, aggregate_id FROM {deliveries}) AS k)
+FROM (SELECT count(*) AS events,
+             extract(epoch FROM now() - min(occurred_at))::float8 AS oldest
+      FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL) AS p"#
+            )),
+            subscribers: sql(subscribers_query(&deliveries)),
+            skip_delivery: sql(format!(
+                r#"
+WITH gone AS (
+    DELETE FROM {deliveries}
+    WHERE event_id = $1 AND subscriber = $2
+      AND (claimed_until IS NULL OR claimed_until < now())
+    RETURNING event_id, subscriber, attempts, last_error
+)
+INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
+SELECT event_id, subscriber, attempts, last_error, $3 FROM gone"#
+            )),
+            skip_event: sql(format!(
+                r#"
+WITH gone AS (
+    UPDATE {outbox} AS o SET published_at = now(), dead_at = NULL, next_retry_at = NULL
+    WHERE o.id = $1 AND o.published_at IS NULL
+      AND (o.dead_at IS NOT NULL OR o.next_retry_at IS NOT NULL)
+      AND NOT EXISTS (
+          SELECT 1 FROM {claims} AS c WHERE c.until >= now() AND o.id = ANY(c.event_ids))
+    RETURNING o.id, o.retry_count, o.last_error
+)
+INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
+SELECT id, NULL, retry_count, last_error, $2 FROM gone"#
             )),
             requeue_subscriber: sql(format!(
                 r#"
@@ -537,19 +591,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         older_than: Duration,
         batch_size: u32,
     ) -> Result<u64, sqlx::Error> {
-        let mut total = 0;
-        loop {
-            let deleted = sqlx::query(queries.purge_published.clone())
-                .bind(older_than.as_secs_f64())
-                .bind(i64::from(batch_size))
-                .execute(pool)
-                .await?
-                .rows_affected();
-            total += deleted;
-            if deleted < u64::from(batch_size) {
-                return Ok(total);
-            }
-        }
+        Ok(sqlx::query(queries.purge_published.clone())
+            .bind(older_than.as_secs_f64())
+            .bind(i64::from(batch_size))
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
 
     async fn dead_letters(
@@ -574,11 +621,50 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .collect()
     }
 
-    async fn status(pool: &PgPool, queries: &PgQueries) -> Result<crate::Status, sqlx::Error> {
-        let (events, deliveries, dead): (i64, i64, i64) = sqlx::query_as(queries.status.clone())
-            .fetch_one(pool)
-            .await?;
-        Ok(crate::Status::from_counts(events, deliveries, dead))
+    async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
+        let (events, oldest, deliveries, dead, blocked): (i64, Option<f64>, i64, i64, i64) =
+            sqlx::query_as(queries.status.clone())
+                .fetch_one(pool)
+                .await?;
+        let mut status = Status::default();
+        status.pending_events = row_count(events);
+        status.oldest_pending_age =
+            oldest.map(|age| Duration::try_from_secs_f64(age).unwrap_or_default());
+        status.pending_deliveries = row_count(deliveries);
+        status.dead_letters = row_count(dead);
+        status.blocked_keys = row_count(blocked);
+        Ok(status)
+    }
+
+    async fn subscribers(
+        pool: &PgPool,
+        queries: &PgQueries,
+    ) -> Result<Vec<SubscriberStatus>, sqlx::Error> {
+        sqlx::query(queries.subscribers.clone())
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(subscriber_status)
+            .collect()
+    }
+
+    async fn skip(
+        pool: &PgPool,
+        queries: &PgQueries,
+        event_id: i64,
+        subscriber: Option<&str>,
+        reason: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let query = match subscriber {
+            Some(subscriber) => sqlx::query(queries.skip_delivery.clone())
+                .bind(event_id)
+                .bind(subscriber)
+                .bind(reason),
+            None => sqlx::query(queries.skip_event.clone())
+                .bind(event_id)
+                .bind(reason),
+        };
+        Ok(query.execute(pool).await?.rows_affected() > 0)
     }
 
     async fn notify(pool: &PgPool, channel: &str, sender: &str) -> Result<(), sqlx::Error> {

@@ -9,24 +9,27 @@
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
-use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue};
+use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status};
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
-use crate::backend::{Backend, NewEvent, sealed};
+use crate::backend::{
+    Backend, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status, subscribers_query,
+};
 use crate::error::Error;
 use crate::names::TableNames;
 
 impl sealed::Sealed for Sqlite {}
 
 /// The migrations, in order; templates for [`TableNames::render`].
-const MIGRATIONS: &[(i32, &str, &str)] = &[(
-    1,
-    "events and per-subscriber deliveries",
-    r#"
+const MIGRATIONS: &[(i32, &str, &str)] = &[
+    (
+        1,
+        "events and per-subscriber deliveries",
+        r#"
 CREATE TABLE {outbox} (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
     aggregate_type  TEXT NOT NULL,
@@ -61,7 +64,23 @@ CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, ev
 CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
 CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at) WHERE dead_at IS NULL;
 "#,
-)];
+    ),
+    (
+        2,
+        "a record of skipped deliveries",
+        r#"
+-- Deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber.
+CREATE TABLE {skips} (
+    event_id    INTEGER NOT NULL,
+    subscriber  TEXT,
+    attempts    INTEGER NOT NULL,
+    last_error  TEXT,
+    reason      TEXT NOT NULL,
+    skipped_at  INTEGER NOT NULL
+);
+"#,
+    ),
+];
 
 /// The SQL of one set of tables.
 #[doc(hidden)]
@@ -83,7 +102,11 @@ pub struct SqliteQueries {
     requeue_subscriber: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
+    subscribers: SqlStr,
     dead_letters: SqlStr,
+    skip_delivery: SqlStr,
+    skip_event: SqlStr,
+    record_skip: SqlStr,
 }
 
 fn sql(text: String) -> SqlStr {
@@ -110,6 +133,7 @@ impl Backend for Sqlite {
     fn queries(names: &TableNames) -> SqliteQueries {
         let outbox = names.local("");
         let deliveries = names.local("_deliveries");
+        let skips = names.local("_skips");
         SqliteQueries {
             insert: sql(format!(
                 r#"
@@ -231,9 +255,30 @@ ORDER BY event_id, subscriber"#
             status: sql(format!(
                 r#"
 SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL),
+       (SELECT min(occurred_at) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL),
        (SELECT count(*) FROM {deliveries} WHERE dead_at IS NULL),
-       (SELECT count(*) FROM {outbox} WHERE dead_at IS NOT NULL)
-         + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL)"#
+       (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NOT NULL)
+         + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL),
+       (SELECT count(*) FROM (SELECT DISTINCT subscriber, aggregate_id FROM {deliveries}))"#
+            )),
+            subscribers: sql(subscribers_query(&deliveries)),
+            skip_delivery: sql(format!(
+                r#"
+DELETE FROM {deliveries}
+WHERE event_id = $1 AND subscriber = $2 AND (claimed_until IS NULL OR claimed_until < $3)
+RETURNING attempts, last_error"#
+            )),
+            skip_event: sql(format!(
+                r#"
+UPDATE {outbox} SET published_at = $2, dead_at = NULL, next_retry_at = NULL
+WHERE id = $1 AND published_at IS NULL
+  AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
+  AND (claimed_until IS NULL OR claimed_until < $2)
+RETURNING retry_count AS attempts, last_error"#
+            )),
+            record_skip: sql(format!(
+                "INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason, skipped_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)"
             )),
             purge_published: sql(format!(
                 r#"
@@ -460,19 +505,12 @@ DELETE FROM {outbox} WHERE id IN (
     ) -> Result<u64, sqlx::Error> {
         let before =
             now().saturating_sub(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX));
-        let mut total = 0;
-        loop {
-            let deleted = sqlx::query(queries.purge_published.clone())
-                .bind(before)
-                .bind(i64::from(batch_size))
-                .execute(pool)
-                .await?
-                .rows_affected();
-            total += deleted;
-            if deleted < u64::from(batch_size) {
-                return Ok(total);
-            }
-        }
+        Ok(sqlx::query(queries.purge_published.clone())
+            .bind(before)
+            .bind(i64::from(batch_size))
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
 
     async fn dead_letters(
@@ -497,14 +535,74 @@ DELETE FROM {outbox} WHERE id IN (
             .collect()
     }
 
-    async fn status(
+    async fn status(pool: &SqlitePool, queries: &SqliteQueries) -> Result<Status, sqlx::Error> {
+        let (events, oldest, deliveries, dead, blocked): (i64, Option<i64>, i64, i64, i64) =
+            sqlx::query_as(queries.status.clone())
+                .fetch_one(pool)
+                .await?;
+        let mut status = Status::default();
+        status.pending_events = row_count(events);
+        status.oldest_pending_age = oldest.map(|occurred| {
+            Duration::from_micros(u64::try_from(now().saturating_sub(occurred)).unwrap_or(0))
+        });
+        status.pending_deliveries = row_count(deliveries);
+        status.dead_letters = row_count(dead);
+        status.blocked_keys = row_count(blocked);
+        Ok(status)
+    }
+
+    async fn subscribers(
         pool: &SqlitePool,
         queries: &SqliteQueries,
-    ) -> Result<crate::Status, sqlx::Error> {
-        let (events, deliveries, dead): (i64, i64, i64) = sqlx::query_as(queries.status.clone())
-            .fetch_one(pool)
+    ) -> Result<Vec<SubscriberStatus>, sqlx::Error> {
+        sqlx::query(queries.subscribers.clone())
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(subscriber_status)
+            .collect()
+    }
+
+    async fn skip(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        event_id: i64,
+        subscriber: Option<&str>,
+        reason: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let now = now();
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let gone = match subscriber {
+            Some(subscriber) => {
+                sqlx::query(queries.skip_delivery.clone())
+                    .bind(event_id)
+                    .bind(subscriber)
+                    .bind(now)
+                    .fetch_optional(&mut *tx)
+                    .await?
+            }
+            None => {
+                sqlx::query(queries.skip_event.clone())
+                    .bind(event_id)
+                    .bind(now)
+                    .fetch_optional(&mut *tx)
+                    .await?
+            }
+        };
+        let Some(row) = gone else {
+            return Ok(false);
+        };
+        sqlx::query(queries.record_skip.clone())
+            .bind(event_id)
+            .bind(subscriber)
+            .bind(row.try_get::<i64, _>("attempts")?)
+            .bind(row.try_get::<Option<String>, _>("last_error")?)
+            .bind(reason)
+            .bind(now)
+            .execute(&mut *tx)
             .await?;
-        Ok(crate::Status::from_counts(events, deliveries, dead))
+        tx.commit().await?;
+        Ok(true)
     }
 
     /// One process per database file: commits wake relays in-process, nothing to send.

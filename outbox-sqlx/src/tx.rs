@@ -302,6 +302,8 @@ fn encode_all<'e, E: OutboxEvent>(
     events: impl IntoIterator<Item = &'e E>,
     metadata: &Metadata,
 ) -> Result<Vec<NewEvent>, Error> {
+    #[cfg(feature = "opentelemetry")]
+    let metadata = &metadata.clone().with_current_trace_context();
     events
         .into_iter()
         .map(|event| {

@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::store::{Claim, Outcomes, Requeue};
+use outbox_core::store::{Claim, Outcomes, Requeue, Status};
 use outbox_core::{
-    Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Store, StoreError, router,
-    subscriber,
+    Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Retention, Store, StoreError,
+    router, subscriber,
 };
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
@@ -323,6 +323,14 @@ impl<S: Store> Store for Counting<S> {
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
         self.inner.requeue(which).await
+    }
+
+    async fn status(&self) -> Result<Status, StoreError> {
+        self.inner.status().await
+    }
+
+    async fn purge_published(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+        self.inner.purge_published(older_than, limit).await
     }
 
     async fn notified(&self) {
@@ -669,7 +677,9 @@ async fn table_size(pool: &PgPool) -> (i64, i64) {
 }
 
 /// Half capacity for `minutes`, with retention deleting what was published more than a minute
-/// ago; prints throughput and sizes each minute.
+/// ago; prints throughput and sizes each minute. Deleted and updated rows only become free space
+/// once vacuumed: when the server's autovacuum is off, the soak vacuums the outbox tables every
+/// 10 s itself, as autovacuum would, and says so.
 async fn soak(rate: f64, minutes: u64) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
@@ -680,7 +690,12 @@ async fn soak(rate: f64, minutes: u64) {
         Bench {
             ledger: Ledger(meter.clone()),
         },
-        RelayConfig::default().with_batch_size(500),
+        // Retention by the relay itself: published events go after a minute.
+        RelayConfig::default().with_batch_size(500).with_retention(
+            Retention::keep(Duration::from_secs(60))
+                .with_batch_size(5_000)
+                .with_interval(Duration::from_secs(10)),
+        ),
     )
     .unwrap();
     let relay_stop = stop.clone();
@@ -693,16 +708,24 @@ async fn soak(rate: f64, minutes: u64) {
             })
             .await;
     });
-    let retention_outbox = outbox.clone();
-    let retention_stop = stop.clone();
-    let retention = tokio::spawn(async move {
-        while !retention_stop.load(Ordering::Relaxed) {
-            tokio::time::sleep(Duration::from_secs(10)).await;
-            retention_outbox
-                .purge_published(Duration::from_secs(60), 5_000)
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    let vacuum = (autovacuum == "off").then(|| {
+        println!("    autovacuum is off on this server: the soak vacuums every 10 s");
+        let (pool, stop) = (pool.clone(), stop.clone());
+        tokio::spawn(async move {
+            while !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                sqlx::raw_sql(
+                    "VACUUM events.outbox, events.outbox_deliveries, events.outbox_claims",
+                )
+                .execute(&pool)
                 .await
                 .unwrap();
-        }
+            }
+        })
     });
     let producers = spawn_producers(&outbox, &ids, rate, false, &meter, false, &stop);
     println!("    minute  delivered/s  backlog  table MB  indexes MB");
@@ -725,7 +748,9 @@ async fn soak(rate: f64, minutes: u64) {
         task.await.unwrap();
     }
     relay_task.await.unwrap();
-    retention.await.unwrap();
+    if let Some(vacuum) = vacuum {
+        vacuum.await.unwrap();
+    }
     let (first, last) = (rates[0], rates[rates.len() - 1]);
     println!(
         "    throughput drift first to last minute: {:+.1}%",

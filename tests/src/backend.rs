@@ -7,6 +7,7 @@
 
 use std::future::Future;
 use std::str::FromStr;
+use std::time::Duration;
 
 use outbox_sqlx::{Backend, Outbox, OutboxTx};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
@@ -90,6 +91,13 @@ pub trait TestBackend: Backend + Sized {
 
     /// Overwrites an event's payload, as an operator repairing it would.
     fn set_payload(pool: &Pool<Self>, id: i64, payload: &str) -> impl Future<Output = ()> + Send;
+
+    /// Moves a published event's `published_at` back by `by`, as if it were published long ago.
+    fn backdate_published(
+        pool: &Pool<Self>,
+        id: i64,
+        by: Duration,
+    ) -> impl Future<Output = ()> + Send;
 
     /// Records a migration newer than this build knows.
     fn insert_future_migration(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
@@ -202,6 +210,20 @@ impl TestBackend for Postgres {
         .unwrap()
     }
 
+    async fn backdate_published(pool: &Pool<Postgres>, id: i64, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE events.outbox SET published_at = published_at - $2 * interval '1 second'
+             WHERE id = $1 AND published_at IS NOT NULL",
+        )
+        .bind(id)
+        .bind(by.as_secs_f64())
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert_eq!(changed, 1, "event {id} is published");
+    }
+
     async fn set_payload(pool: &Pool<Postgres>, id: i64, payload: &str) {
         sqlx::query("UPDATE events.outbox SET payload = $2::jsonb WHERE id = $1")
             .bind(id)
@@ -264,7 +286,7 @@ impl TestBackend for Sqlite {
             .expect("a SQLite URL")
             .create_if_missing(true)
             .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(std::time::Duration::from_secs(10));
+            .busy_timeout(Duration::from_secs(10));
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)
@@ -350,6 +372,20 @@ impl TestBackend for Sqlite {
         .fetch_one(pool)
         .await
         .unwrap()
+    }
+
+    async fn backdate_published(pool: &Pool<Sqlite>, id: i64, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE outbox SET published_at = published_at - $2
+             WHERE id = $1 AND published_at IS NOT NULL",
+        )
+        .bind(id)
+        .bind(i64::try_from(by.as_micros()).unwrap())
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert_eq!(changed, 1, "event {id} is published");
     }
 
     async fn set_payload(pool: &Pool<Sqlite>, id: i64, payload: &str) {

@@ -330,6 +330,8 @@ pub struct WatchedStore<S> {
     inner: S,
     /// Notified each time a claim returns no work.
     pub idle: Arc<tokio::sync::Notify>,
+    /// Each purge: (batch size asked, rows deleted).
+    pub purges: Arc<Mutex<Vec<(u32, u64)>>>,
 }
 
 impl<S> WatchedStore<S> {
@@ -338,6 +340,7 @@ impl<S> WatchedStore<S> {
         Self {
             inner,
             idle: Arc::new(tokio::sync::Notify::new()),
+            purges: Arc::default(),
         }
     }
 }
@@ -367,6 +370,20 @@ impl<S: Store> Store for WatchedStore<S> {
         which: &outbox_core::store::Requeue,
     ) -> Result<u64, outbox_core::StoreError> {
         self.inner.requeue(which).await
+    }
+
+    async fn status(&self) -> Result<outbox_core::store::Status, outbox_core::StoreError> {
+        self.inner.status().await
+    }
+
+    async fn purge_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<u64, outbox_core::StoreError> {
+        let deleted = self.inner.purge_published(older_than, limit).await?;
+        self.purges.lock().unwrap().push((limit, deleted));
+        Ok(deleted)
     }
 
     async fn notified(&self) {

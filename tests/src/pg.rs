@@ -67,6 +67,27 @@ impl TestDb {
             .expect("connect to the test database")
     }
 
+    /// A URL of the test database, for programs run by the test.
+    pub fn url(&self) -> String {
+        let admin = admin_url();
+        let (base, query) = admin.split_once('?').unwrap_or((&admin, ""));
+        let server = match base.split_once("://") {
+            Some((scheme, rest)) => {
+                format!(
+                    "{scheme}://{}",
+                    rest.split_once('/').map_or(rest, |(server, _)| server)
+                )
+            }
+            None => base.to_owned(),
+        };
+        let query = if query.is_empty() {
+            String::new()
+        } else {
+            format!("?{query}")
+        };
+        format!("{server}/{}{query}", self.name)
+    }
+
     /// The database's name.
     pub fn name(&self) -> &str {
         &self.name

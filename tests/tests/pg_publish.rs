@@ -49,7 +49,8 @@ async fn custom_schema_and_table_names_are_used() {
             "event_log",
             "event_log_claims",
             "event_log_deliveries",
-            "event_log_migrations"
+            "event_log_migrations",
+            "event_log_skips"
         ]
     );
     // Nothing went to the default schema.

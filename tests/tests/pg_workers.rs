@@ -153,7 +153,7 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
         .await
         .unwrap();
 
-    let url = format!("{}/{}", base_url(), db.name());
+    let url = db.url();
     let workers = Workers(
         (0..WORKERS)
             .map(|worker| {
@@ -256,13 +256,4 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
     // The work was shared: more than one process delivered.
     let workers: BTreeSet<i32> = rows.iter().map(|r| r.4).collect();
     assert!(workers.len() > 1, "one worker did everything: {workers:?}");
-}
-
-/// The server part of the tests' database URL, without the database name.
-fn base_url() -> String {
-    let url = outbox_tests::pg::admin_url();
-    match url.rsplit_once('/') {
-        Some((base, _)) => base.to_owned(),
-        None => url,
-    }
 }

@@ -251,3 +251,58 @@ async fn the_memory_store_parks_an_event_type_the_router_does_not_know() {
     drain(&new).await.unwrap();
     assert_eq!(probe.delivered_to("x"), [(a, 1)]);
 }
+
+#[tokio::test]
+async fn the_memory_store_reports_its_status_and_purges_by_its_clock() {
+    let store = MemoryStore::new();
+    let probe = Probe::default();
+    let (fine, doomed) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("y", doomed, 1, [Fail::Permanent]);
+    store
+        .publish(&Ping {
+            aggregate: fine,
+            seq: 1,
+        })
+        .unwrap();
+    store
+        .publish(&Ping {
+            aggregate: doomed,
+            seq: 1,
+        })
+        .unwrap();
+    store.clock().advance(minutes(3));
+    // This relay does not route Pong: it stays pending, three minutes after the Pings.
+    store
+        .publish(&Pong {
+            aggregate: fine,
+            seq: 2,
+        })
+        .unwrap();
+    store.clock().advance(minutes(2));
+    drain(&relay(&store, XAndY::new(&probe))).await.unwrap();
+
+    let status = store.status().await.unwrap();
+    assert_eq!(
+        (
+            status.pending_events,
+            status.pending_deliveries,
+            status.dead_letters,
+            status.blocked_keys
+        ),
+        (1, 0, 1, 1),
+        "{status:?}"
+    );
+    assert_eq!(status.oldest_pending_age, Some(minutes(2)));
+
+    // The Pings were published just now. Eleven minutes on, the first is old enough and free to
+    // go; the second keeps its dead delivery, and the Pong is not published.
+    assert_eq!(store.purge_published(minutes(10), 10).await.unwrap(), 0);
+    store.clock().advance(minutes(11));
+    assert_eq!(store.purge_published(minutes(10), 10).await.unwrap(), 1);
+    let left: Vec<Uuid> = store
+        .events()
+        .iter()
+        .map(|e| e.stored.aggregate_id)
+        .collect();
+    assert_eq!(left, [doomed, fine]);
+}

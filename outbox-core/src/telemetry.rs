@@ -1,0 +1,196 @@
+//! What a relay reports about itself: metrics through the [`metrics`] facade, and
+//! `tracing` spans.
+//!
+//! # Metrics
+//!
+//! Install any `metrics` recorder (a Prometheus exporter, StatsD, ...) before starting a relay;
+//! without one, recording costs next to nothing. A relay reports:
+//!
+//! | Name | Kind | Labels | Meaning |
+//! |------|------|--------|---------|
+//! | `outbox_events_dispatched_total` | counter | `event_type`, `status` | outcomes of deliveries: `status` is `delivered`, `retry` (a transient failure, attempted again later), `dead` (a dead letter) or `parked` (this build cannot read the event yet) |
+//! | `outbox_events_dispatch_duration_seconds` | histogram | `event_type` | how long one handler call took, failed ones included |
+//! | `outbox_events_pending_count` | gauge | | events not yet handed to all their subscribers, dead ones excluded |
+//! | `outbox_deliveries_pending_count` | gauge | | subscribers' deliveries waiting for a retry or behind an earlier event |
+//! | `outbox_events_dead_letter_count` | gauge | | dead events and dead deliveries, waiting for an operator |
+//! | `outbox_events_oldest_pending_age_seconds` | gauge | | how long ago the oldest pending event occurred (0 when none) |
+//! | `outbox_blocked_keys_count` | gauge | | (subscriber, aggregate) pairs whose later events wait behind an undelivered one |
+//!
+//! Counters and the histogram are recorded as deliveries happen. Gauges come from the store
+//! ([`Store::status`](crate::Store::status)), read by each running relay every
+//! [status interval](crate::RelayConfig::with_status_interval) and by
+//! [`Relay::report_status`](crate::Relay::report_status).
+//!
+//! # Spans
+//!
+//! - `outbox.batch` around each batch, with `claimed`, and when it ends `delivered`, `retried`,
+//!   `dead` and `parked`.
+//! - `outbox.deliver` around each handler call, inside its batch's span, with `event_id`,
+//!   `event_type`, `aggregate_id`, `subscriber`, `attempt`, and when the event carries them
+//!   `correlation_id`, `causation_id` and `traceparent` (the W3C trace context stored with the
+//!   event).
+//!
+//! A failed call logs a warning, a dead letter an error, each inside its delivery's span.
+//!
+//! # Trace context (feature `opentelemetry`)
+//!
+//! With the feature on, publishing stores the current span's OpenTelemetry context (through the
+//! global propagator, W3C `traceparent` with `TraceContextPropagator`) in the event's metadata,
+//! unless the metadata already carries one; each `outbox.deliver` span then links to it, so a
+//! trace viewer leads from a delivery back to the request that published the event. The
+//! application installs the `tracing-opentelemetry` layer and the propagator, as usual.
+
+use std::time::Duration;
+
+use ::metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
+
+use crate::store::Status;
+
+/// Outcomes of deliveries, labelled `event_type` and `status`.
+pub const DISPATCHED_TOTAL: &str = "outbox_events_dispatched_total";
+/// Duration of handler calls in seconds, labelled `event_type`.
+pub const DISPATCH_DURATION_SECONDS: &str = "outbox_events_dispatch_duration_seconds";
+/// Events not yet handed to all their subscribers.
+pub const PENDING_COUNT: &str = "outbox_events_pending_count";
+/// Subscribers' deliveries waiting for a retry or behind an earlier event.
+pub const PENDING_DELIVERIES_COUNT: &str = "outbox_deliveries_pending_count";
+/// Dead events and dead deliveries.
+pub const DEAD_LETTER_COUNT: &str = "outbox_events_dead_letter_count";
+/// Age of the oldest pending event in seconds.
+pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_events_oldest_pending_age_seconds";
+/// (subscriber, aggregate) pairs held back by an undelivered event.
+pub const BLOCKED_KEYS_COUNT: &str = "outbox_blocked_keys_count";
+
+/// `status` label values of [`DISPATCHED_TOTAL`].
+pub mod status {
+    /// The handler succeeded.
+    pub const DELIVERED: &str = "delivered";
+    /// The handler failed transiently; the delivery is attempted again later.
+    pub const RETRY: &str = "retry";
+    /// A dead letter: a permanent failure, the last retry, or a payload that never decodes.
+    pub const DEAD: &str = "dead";
+    /// This build cannot read the event yet (a newer version, an unknown event type).
+    pub const PARKED: &str = "parked";
+}
+
+/// Describes the metrics to the installed recorder (units and help texts).
+pub(crate) fn describe() {
+    describe_counter!(
+        DISPATCHED_TOTAL,
+        Unit::Count,
+        "Outcomes of outbox deliveries"
+    );
+    describe_histogram!(
+        DISPATCH_DURATION_SECONDS,
+        Unit::Seconds,
+        "Duration of one outbox handler call"
+    );
+    describe_gauge!(
+        PENDING_COUNT,
+        Unit::Count,
+        "Outbox events not yet handed to all their subscribers"
+    );
+    describe_gauge!(
+        PENDING_DELIVERIES_COUNT,
+        Unit::Count,
+        "Outbox deliveries waiting for a retry or behind an earlier event"
+    );
+    describe_gauge!(
+        DEAD_LETTER_COUNT,
+        Unit::Count,
+        "Outbox dead letters waiting for an operator"
+    );
+    describe_gauge!(
+        OLDEST_PENDING_AGE_SECONDS,
+        Unit::Seconds,
+        "Age of the oldest pending outbox event"
+    );
+    describe_gauge!(
+        BLOCKED_KEYS_COUNT,
+        Unit::Count,
+        "(subscriber, aggregate) pairs held back by an undelivered outbox event"
+    );
+}
+
+pub(crate) fn dispatched(event_type: &str, status: &'static str) {
+    counter!(DISPATCHED_TOTAL, "event_type" => event_type.to_owned(), "status" => status)
+        .increment(1);
+}
+
+pub(crate) fn dispatch_duration(event_type: &str, took: Duration) {
+    histogram!(DISPATCH_DURATION_SECONDS, "event_type" => event_type.to_owned())
+        .record(took.as_secs_f64());
+}
+
+pub(crate) fn report(status: &Status) {
+    gauge!(PENDING_COUNT).set(status.pending_events as f64);
+    gauge!(PENDING_DELIVERIES_COUNT).set(status.pending_deliveries as f64);
+    gauge!(DEAD_LETTER_COUNT).set(status.dead_letters as f64);
+    gauge!(OLDEST_PENDING_AGE_SECONDS).set(
+        status
+            .oldest_pending_age
+            .map_or(0.0, |age| age.as_secs_f64()),
+    );
+    gauge!(BLOCKED_KEYS_COUNT).set(status.blocked_keys as f64);
+}
+
+#[cfg(feature = "opentelemetry")]
+mod otel {
+    use opentelemetry::propagation::{Extractor, Injector};
+    use opentelemetry::trace::TraceContextExt as _;
+    use tracing_opentelemetry::OpenTelemetrySpanExt as _;
+
+    use crate::envelope::{Metadata, TraceContext};
+
+    impl Injector for TraceContext {
+        fn set(&mut self, key: &str, value: String) {
+            self.insert(key, value);
+        }
+    }
+
+    impl Extractor for TraceContext {
+        fn get(&self, key: &str) -> Option<&str> {
+            TraceContext::get(self, key)
+        }
+
+        fn keys(&self) -> Vec<&str> {
+            self.iter().map(|(key, _)| key).collect()
+        }
+    }
+
+    impl Metadata {
+        /// This metadata with the current span's trace context, unless it carries one already.
+        /// Publishing calls it; feature `opentelemetry`.
+        #[must_use]
+        pub fn with_current_trace_context(self) -> Self {
+            if !self.trace_context().is_empty() {
+                return self;
+            }
+            let mut carrier = TraceContext::new();
+            let context = tracing::Span::current().context();
+            opentelemetry::global::get_text_map_propagator(|propagator| {
+                propagator.inject_context(&context, &mut carrier);
+            });
+            self.with_trace_context(carrier)
+        }
+    }
+
+    /// Links `span` to the span the event was published in, if the event carries its context.
+    pub(crate) fn link(span: &tracing::Span, trace_context: &TraceContext) {
+        if trace_context.is_empty() {
+            return;
+        }
+        let context = opentelemetry::global::get_text_map_propagator(|propagator| {
+            propagator.extract(trace_context)
+        });
+        let published_in = context.span().span_context().clone();
+        if published_in.is_valid() {
+            span.add_link(published_in);
+        }
+    }
+}
+
+#[cfg(feature = "opentelemetry")]
+pub(crate) use otel::link;

@@ -1,0 +1,466 @@
+//! `outbox`: the operator's command-line tool for an outbox in PostgreSQL or SQLite.
+//!
+//! ```text
+//! outbox --database-url postgres://... status
+//! outbox dead-letters list --subscriber licensing
+//! outbox requeue 42 43          # or: outbox requeue --subscriber licensing
+//! outbox skip 42 --subscriber licensing --reason "refunded by hand"
+//! outbox purge --published-before 30d
+//! ```
+//!
+//! Tables by default, `--json` for scripts. Exit status 0 on success, 1 when the command fails
+//! (an unreachable database, nothing to requeue or skip), 2 on bad arguments.
+
+use std::fmt::Write as _;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand};
+use outbox_core::store::Requeue;
+use outbox_sqlx::{Backend, DeadLetter, Outbox, TableNames};
+use serde::Serialize;
+use serde_json::{Value, json};
+use sqlx::pool::PoolOptions;
+use time::OffsetDateTime;
+use time::format_description::well_known::Rfc3339;
+
+#[derive(Parser)]
+#[command(
+    name = "outbox",
+    version,
+    about = "Operate a transactional outbox: migrations, status, dead letters, retention"
+)]
+struct Cli {
+    /// The database: postgres://user@host/db or sqlite://path/to/file.db
+    #[arg(long, env = "DATABASE_URL", global = true)]
+    database_url: Option<String>,
+    /// The schema of the outbox tables (PostgreSQL only)
+    #[arg(long, default_value = "events", global = true)]
+    schema: String,
+    /// The base name of the outbox tables
+    #[arg(long, default_value = "outbox", global = true)]
+    table: String,
+    /// Print JSON instead of tables
+    #[arg(long, global = true)]
+    json: bool,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Create or upgrade the outbox tables
+    Migrate,
+    /// Pending events, the oldest one's age, dead letters, and blocked keys per subscriber
+    Status,
+    /// Dead letters: events that never decode, and deliveries that failed for good
+    #[command(subcommand)]
+    DeadLetters(DeadLetters),
+    /// Hand dead letters (or parked events) back to the relay
+    Requeue(RequeueArgs),
+    /// Give up one subscriber's delivery of an event (or a whole dead or parked event); recorded
+    Skip(SkipArgs),
+    /// Delete published events; dead letters and undelivered events are never deleted
+    Purge(PurgeArgs),
+}
+
+#[derive(Subcommand)]
+enum DeadLetters {
+    /// List dead letters, by event id
+    List {
+        /// Only this subscriber's dead deliveries
+        #[arg(long)]
+        subscriber: Option<String>,
+        /// Only events of this type
+        #[arg(long)]
+        event_type: Option<String>,
+    },
+}
+
+#[derive(Args)]
+#[group(required = true, multiple = false)]
+struct RequeueArgs {
+    /// The dead or parked events to requeue, with every dead delivery of them
+    ids: Vec<i64>,
+    /// Requeue every dead delivery of this subscriber
+    #[arg(long)]
+    subscriber: Option<String>,
+}
+
+#[derive(Args)]
+struct SkipArgs {
+    /// The event
+    event_id: i64,
+    /// The subscriber whose delivery to give up; without it, the whole event (dead or parked)
+    #[arg(long)]
+    subscriber: Option<String>,
+    /// Why, for the record
+    #[arg(long)]
+    reason: String,
+}
+
+#[derive(Args)]
+struct PurgeArgs {
+    /// Delete events published before this time: an RFC 3339 timestamp
+    /// (2026-11-01T00:00:00Z) or an age (30d, 12h, 45m, 90s)
+    #[arg(long, value_parser = parse_before)]
+    published_before: OffsetDateTime,
+    /// Events deleted per statement
+    #[arg(long, default_value_t = 500, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    batch_size: u32,
+}
+
+/// An RFC 3339 timestamp, or an age before now such as `30d`.
+fn parse_before(text: &str) -> Result<OffsetDateTime, String> {
+    if let Ok(time) = OffsetDateTime::parse(text, &Rfc3339) {
+        return Ok(time);
+    }
+    let unit = text.char_indices().last().map_or(0, |(i, _)| i);
+    let (number, unit) = text.split_at(unit);
+    let seconds: u64 = match unit {
+        "d" => 24 * 3600,
+        "h" => 3600,
+        "m" => 60,
+        "s" => 1,
+        _ => 0,
+    };
+    match number.parse::<u64>() {
+        Ok(n) if seconds > 0 => {
+            let age = Duration::from_secs(n.saturating_mul(seconds));
+            time::Duration::try_from(age)
+                .ok()
+                .and_then(|age| OffsetDateTime::now_utc().checked_sub(age))
+                .ok_or_else(|| format!("`{text}` reaches too far back"))
+        }
+        _ => Err(format!(
+            "`{text}` is neither an RFC 3339 timestamp (2026-11-01T00:00:00Z) nor an age (30d, \
+             12h, 45m, 90s)"
+        )),
+    }
+}
+
+/// A failed command, for the user.
+struct Failure(String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self(error.to_string())
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(runtime) => runtime,
+        Err(error) => return fail(&Failure::from(error)),
+    };
+    match runtime.block_on(connect_and_run(&cli)) {
+        Ok(output) => {
+            print!("{output}");
+            ExitCode::SUCCESS
+        }
+        Err(failure) => fail(&failure),
+    }
+}
+
+#[allow(clippy::print_stderr)] // The tool's errors are for the operator at the terminal.
+fn fail(failure: &Failure) -> ExitCode {
+    eprintln!("error: {}", failure.0);
+    ExitCode::FAILURE
+}
+
+async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
+    let url = cli.database_url.as_deref().ok_or_else(|| {
+        Failure("no database: pass --database-url or set DATABASE_URL".to_owned())
+    })?;
+    let names = TableNames::new(&cli.schema, &cli.table)?;
+    if url.starts_with("postgres://") || url.starts_with("postgresql://") {
+        run(connect::<sqlx::Postgres>(url).await?, names, cli).await
+    } else if url.starts_with("sqlite:") {
+        run(connect::<sqlx::Sqlite>(url).await?, names, cli).await
+    } else {
+        Err(Failure(format!(
+            "unsupported database URL `{}`: use postgres://... or sqlite://...",
+            url.split(':').next().unwrap_or(url)
+        )))
+    }
+}
+
+async fn connect<DB: Backend>(url: &str) -> Result<sqlx::Pool<DB>, Failure> {
+    PoolOptions::<DB>::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect(url)
+        .await
+        .map_err(|error| Failure(format!("cannot connect to the database: {error}")))
+}
+
+async fn run<DB: Backend>(
+    pool: sqlx::Pool<DB>,
+    names: TableNames,
+    cli: &Cli,
+) -> Result<String, Failure> {
+    let outbox: Outbox<DB, ()> = Outbox::with_names(pool, names);
+    let json = cli.json;
+    match &cli.command {
+        Command::Migrate => {
+            outbox.migrate().await?;
+            Ok(say(
+                json,
+                &json!({"migrated": true}),
+                "the outbox tables are up to date\n",
+            ))
+        }
+        Command::Status => status(&outbox, json).await,
+        Command::DeadLetters(DeadLetters::List {
+            subscriber,
+            event_type,
+        }) => {
+            let letters: Vec<DeadLetter> = outbox
+                .dead_letters()
+                .await?
+                .into_iter()
+                .filter(|d| {
+                    subscriber
+                        .as_ref()
+                        .is_none_or(|s| d.subscriber.as_ref() == Some(s))
+                        && event_type.as_ref().is_none_or(|t| &d.event_type == t)
+                })
+                .collect();
+            Ok(dead_letters(&letters, json))
+        }
+        Command::Requeue(args) => {
+            let which = match &args.subscriber {
+                Some(subscriber) => Requeue::Subscriber(subscriber.clone()),
+                None => Requeue::Events(args.ids.clone()),
+            };
+            let changed = outbox.requeue(&which).await?;
+            if changed == 0 && args.subscriber.is_none() {
+                return Err(Failure(format!(
+                    "nothing to requeue: none of the events {:?} is dead, parked or has a dead \
+                     delivery",
+                    args.ids
+                )));
+            }
+            Ok(say(
+                json,
+                &json!({"requeued": changed}),
+                &format!("requeued {changed} dead letters\n"),
+            ))
+        }
+        Command::Skip(args) => {
+            let skipped = outbox
+                .skip(args.event_id, args.subscriber.as_deref(), &args.reason)
+                .await?;
+            let what = match &args.subscriber {
+                Some(subscriber) => {
+                    format!("the delivery of event {} to `{subscriber}`", args.event_id)
+                }
+                None => format!("event {}", args.event_id),
+            };
+            if !skipped {
+                let expected = if args.subscriber.is_some() {
+                    "an undelivered delivery"
+                } else {
+                    "a dead or parked event"
+                };
+                return Err(Failure(format!(
+                    "cannot skip {what}: it is not {expected}, or a relay is working on it now"
+                )));
+            }
+            Ok(say(
+                json,
+                &json!({"skipped": {"event_id": args.event_id, "subscriber": args.subscriber}}),
+                &format!("skipped {what}\n"),
+            ))
+        }
+        Command::Purge(args) => {
+            let age = OffsetDateTime::now_utc() - args.published_before;
+            let older_than = Duration::try_from(age).map_err(|_| {
+                Failure(format!(
+                    "--published-before {} is in the future",
+                    args.published_before.format(&Rfc3339).unwrap_or_default()
+                ))
+            })?;
+            let purged = outbox.purge_published(older_than, args.batch_size).await?;
+            Ok(say(
+                json,
+                &json!({"purged": purged}),
+                &format!("purged {purged} published events\n"),
+            ))
+        }
+    }
+}
+
+fn say(json: bool, value: &Value, text: &str) -> String {
+    if json {
+        format!("{value}\n")
+    } else {
+        text.to_owned()
+    }
+}
+
+#[derive(Serialize)]
+struct SubscriberRow {
+    subscriber: String,
+    pending: u64,
+    dead: u64,
+    blocked_keys: u64,
+}
+
+async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<String, Failure> {
+    let status = outbox.status().await?;
+    let subscribers: Vec<SubscriberRow> = outbox
+        .subscribers()
+        .await?
+        .into_iter()
+        .map(|s| SubscriberRow {
+            subscriber: s.subscriber,
+            pending: s.pending,
+            dead: s.dead,
+            blocked_keys: s.blocked_keys,
+        })
+        .collect();
+    let age = status.oldest_pending_age.map(|age| age.as_secs_f64());
+    if json {
+        let value = json!({
+            "pending_events": status.pending_events,
+            "oldest_pending_age_seconds": age,
+            "pending_deliveries": status.pending_deliveries,
+            "dead_letters": status.dead_letters,
+            "blocked_keys": status.blocked_keys,
+            "subscribers": subscribers,
+        });
+        return Ok(format!("{value}\n"));
+    }
+    let mut out = table(
+        &["", ""],
+        &[
+            vec!["pending events".into(), status.pending_events.to_string()],
+            vec![
+                "oldest pending".into(),
+                status
+                    .oldest_pending_age
+                    .map_or_else(|| "-".to_owned(), human_age),
+            ],
+            vec![
+                "pending deliveries".into(),
+                status.pending_deliveries.to_string(),
+            ],
+            vec!["dead letters".into(), status.dead_letters.to_string()],
+            vec!["blocked keys".into(), status.blocked_keys.to_string()],
+        ],
+    );
+    if !subscribers.is_empty() {
+        out.push('\n');
+        out.push_str(&table(
+            &["SUBSCRIBER", "PENDING", "DEAD", "BLOCKED KEYS"],
+            &subscribers
+                .iter()
+                .map(|s| {
+                    vec![
+                        s.subscriber.clone(),
+                        s.pending.to_string(),
+                        s.dead.to_string(),
+                        s.blocked_keys.to_string(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
+    Ok(out)
+}
+
+fn dead_letters(letters: &[DeadLetter], json: bool) -> String {
+    if json {
+        let rows: Vec<Value> = letters
+            .iter()
+            .map(|d| {
+                json!({
+                    "event_id": d.event_id,
+                    "subscriber": d.subscriber,
+                    "event_type": d.event_type,
+                    "aggregate_type": d.aggregate_type,
+                    "aggregate_id": d.aggregate_id,
+                    "attempts": d.attempts,
+                    "last_error": d.last_error,
+                })
+            })
+            .collect();
+        return format!("{}\n", Value::from(rows));
+    }
+    if letters.is_empty() {
+        return "no dead letters\n".to_owned();
+    }
+    table(
+        &[
+            "EVENT",
+            "SUBSCRIBER",
+            "EVENT TYPE",
+            "AGGREGATE",
+            "ATTEMPTS",
+            "LAST ERROR",
+        ],
+        &letters
+            .iter()
+            .map(|d| {
+                vec![
+                    d.event_id.to_string(),
+                    d.subscriber.clone().unwrap_or_else(|| "(all)".to_owned()),
+                    d.event_type.clone(),
+                    format!("{} {}", d.aggregate_type, d.aggregate_id),
+                    d.attempts.to_string(),
+                    shorten(d.last_error.as_deref().unwrap_or("-"), 60),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Columns padded to their widest cell; a header row unless every header is empty.
+fn table(headers: &[&str], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = headers.iter().map(|h| h.chars().count()).collect();
+    for row in rows {
+        for (width, cell) in widths.iter_mut().zip(row) {
+            *width = (*width).max(cell.chars().count());
+        }
+    }
+    let with_header = headers.iter().any(|h| !h.is_empty());
+    let header: Vec<String> = headers.iter().map(|h| (*h).to_owned()).collect();
+    let mut out = String::new();
+    for row in with_header.then_some(&header).into_iter().chain(rows) {
+        let mut line = String::new();
+        for (i, (cell, width)) in row.iter().zip(&widths).enumerate() {
+            if i + 1 == row.len() {
+                line.push_str(cell);
+            } else {
+                let _ = write!(line, "{cell:<width$}  ");
+            }
+        }
+        out.push_str(line.trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+fn shorten(text: &str, max: usize) -> String {
+    let line = text.lines().next().unwrap_or("");
+    if line.chars().count() <= max && line.len() == text.len() {
+        return line.to_owned();
+    }
+    let cut: String = line.chars().take(max.saturating_sub(1)).collect();
+    format!("{cut}…")
+}
+
+fn human_age(age: Duration) -> String {
+    let seconds = age.as_secs();
+    match seconds {
+        0..60 => format!("{:.1}s", age.as_secs_f64()),
+        60..3600 => format!("{}m {}s", seconds / 60, seconds % 60),
+        3600..86_400 => format!("{}h {}m", seconds / 3600, seconds % 3600 / 60),
+        _ => format!("{}d {}h", seconds / 86_400, seconds % 86_400 / 3600),
+    }
+}

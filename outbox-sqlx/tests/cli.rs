@@ -1,0 +1,313 @@
+//! The `outbox` binary against a real PostgreSQL: every subcommand, in tables and in JSON, bad
+//! arguments, and databases it cannot use.
+
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use outbox_core::{Relay, RelayConfig};
+use outbox_sqlx::Outbox;
+use outbox_tests::kit::{Fail, Ping, PingPong, Pong, Probe, XAndY, run_until};
+use outbox_tests::pg::TestDb;
+use serde_json::{Value, json};
+use sqlx::Postgres;
+use uuid::Uuid;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// Runs the binary with `args` and no `DATABASE_URL` from the environment.
+fn outbox(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(args)
+        .env_remove("DATABASE_URL")
+        .output()
+        .expect("the outbox binary runs")
+}
+
+/// Runs the binary on `db`, or on no database; returns its output.
+fn on(db: Option<&TestDb>, args: &[&str]) -> Output {
+    match db.map(TestDb::url) {
+        Some(url) => outbox(&[&["--database-url", url.as_str()], args].concat()),
+        None => outbox(args),
+    }
+}
+
+/// Runs the binary on `db`; asserts it succeeds and returns its standard output.
+fn ok(db: &TestDb, args: &[&str]) -> String {
+    let output = on(Some(db), args);
+    assert!(
+        output.status.success(),
+        "outbox {args:?} failed: {}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+/// Runs the binary on `db` with `--json`; asserts it succeeds and returns what it printed.
+fn json_of(db: &TestDb, args: &[&str]) -> Value {
+    serde_json::from_str(&ok(db, &[args, &["--json"]].concat())).expect("JSON output")
+}
+
+/// Runs the binary on `db` (or none); asserts it exits with `code` and returns its standard
+/// error.
+fn fails(db: Option<&TestDb>, args: &[&str], code: i32) -> String {
+    let output = on(db, args);
+    assert_eq!(
+        output.status.code(),
+        Some(code),
+        "outbox {args:?}: {}",
+        String::from_utf8_lossy(&output.stdout)
+    );
+    String::from_utf8(output.stderr).unwrap()
+}
+
+/// A database migrated by the binary, holding: a `Ping` delivered to both subscribers, one
+/// whose delivery to `y` is dead, one that never decodes (dead), and a `Pong` parked (this relay
+/// does not route it). Returns the database and the ids of (delivered, dead delivery, dead event).
+async fn scenario() -> (TestDb, [i64; 3]) {
+    let db = TestDb::new().await;
+    assert!(ok(&db, &["migrate"]).contains("up to date"));
+    let outbox: Outbox<Postgres, PingPong> = Outbox::new(db.pool.clone());
+    let probe = Probe::default();
+    let doomed = Uuid::new_v4();
+    probe.fail("y", doomed, 1, [Fail::Permanent]);
+    for aggregate in [Uuid::new_v4(), doomed] {
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq: 1 }).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: Uuid::new_v4(),
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let raw: i64 = sqlx::query_scalar(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+         VALUES ('probe', $1, 'Ping', '{\"version\": 1}') RETURNING id",
+    )
+    .bind(Uuid::new_v4())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    let relay = Relay::new(outbox.store(), XAndY::new(&probe), RelayConfig::default()).unwrap();
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM events.outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    (db, [ids[0], ids[1], raw])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
+    let (db, [_, doomed, raw]) = scenario().await;
+
+    let status = json_of(&db, &["status"]);
+    assert_eq!(status["pending_events"], 1, "{status}");
+    assert_eq!(status["pending_deliveries"], 0, "{status}");
+    assert_eq!(status["dead_letters"], 2, "{status}");
+    assert_eq!(status["blocked_keys"], 1, "{status}");
+    let age = status["oldest_pending_age_seconds"].as_f64().unwrap();
+    assert!(age > 0.0 && age < WAIT.as_secs_f64(), "{status}");
+    assert_eq!(
+        status["subscribers"],
+        json!([{"subscriber": "y", "pending": 0, "dead": 1, "blocked_keys": 1}])
+    );
+    let table = ok(&db, &["status"]);
+    assert!(table.contains("dead letters        2\n"), "{table}");
+    assert!(
+        table.contains("SUBSCRIBER  PENDING  DEAD  BLOCKED KEYS\n"),
+        "{table}"
+    );
+    assert!(
+        table.lines().any(|l| l == "y           0        1     1"),
+        "{table}"
+    );
+
+    let all = json_of(&db, &["dead-letters", "list"]);
+    let ids: Vec<(i64, Value)> = all
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| (d["event_id"].as_i64().unwrap(), d["subscriber"].clone()))
+        .collect();
+    assert_eq!(ids, [(doomed, Value::from("y")), (raw, Value::Null)]);
+    let of_y = json_of(&db, &["dead-letters", "list", "--subscriber", "y"]);
+    assert_eq!(of_y.as_array().unwrap().len(), 1, "{of_y}");
+    assert_eq!(
+        of_y[0]["last_error"],
+        "permanent error: scripted permanent failure"
+    );
+    let pongs = json_of(&db, &["dead-letters", "list", "--event-type", "Pong"]);
+    assert_eq!(pongs, json!([]));
+    let table = ok(&db, &["dead-letters", "list"]);
+    assert!(
+        table.starts_with("EVENT  SUBSCRIBER  EVENT TYPE"),
+        "{table}"
+    );
+    assert!(table.contains("(all)"), "{table}");
+    assert_eq!(table.lines().count(), 3, "{table}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
+    let (db, [delivered, doomed, raw]) = scenario().await;
+    let (doomed_id, raw_id) = (doomed.to_string(), raw.to_string());
+
+    assert_eq!(
+        ok(&db, &["requeue", &doomed_id]),
+        "requeued 1 dead letters\n"
+    );
+    let status = json_of(&db, &["status"]);
+    assert_eq!(status["dead_letters"], 1, "{status}");
+    assert_eq!(status["pending_deliveries"], 1, "{status}");
+    let stderr = fails(Some(&db), &["requeue", &delivered.to_string()], 1);
+    assert!(stderr.contains("nothing to requeue"), "{stderr}");
+    assert_eq!(
+        json_of(&db, &["requeue", "--subscriber", "y"]),
+        json!({"requeued": 0})
+    );
+
+    let skip_y = [
+        "skip",
+        &doomed_id,
+        "--subscriber",
+        "y",
+        "--reason",
+        "done by hand",
+    ];
+    assert_eq!(
+        ok(&db, &skip_y),
+        format!("skipped the delivery of event {doomed} to `y`\n")
+    );
+    let stderr = fails(Some(&db), &skip_y, 1);
+    assert!(stderr.contains("cannot skip"), "{stderr}");
+    ok(&db, &["skip", &raw_id, "--reason", "bad payload"]);
+    let skips: Vec<(i64, Option<String>, String)> = sqlx::query_as(
+        "SELECT event_id, subscriber, reason FROM events.outbox_skips ORDER BY event_id",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        skips,
+        [
+            (doomed, Some("y".to_owned()), "done by hand".to_owned()),
+            (raw, None, "bad payload".to_owned())
+        ]
+    );
+    let status = json_of(&db, &["status"]);
+    assert_eq!(status["dead_letters"], 0, "{status}");
+    assert_eq!(status["blocked_keys"], 0, "{status}");
+
+    assert_eq!(
+        ok(&db, &["purge", "--published-before", "1d"]),
+        "purged 0 published events\n"
+    );
+    let stderr = fails(
+        Some(&db),
+        &["purge", "--published-before", "2999-01-01T00:00:00Z"],
+        1,
+    );
+    assert!(stderr.contains("is in the future"), "{stderr}");
+    // Everything but the parked Pong is published now.
+    assert_eq!(
+        json_of(
+            &db,
+            &["purge", "--published-before", "0s", "--batch-size", "2"]
+        ),
+        json!({"purged": 3})
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, 1);
+}
+
+#[test]
+fn bad_arguments_are_usage_errors_with_exit_code_2() {
+    for (args, expected) in [
+        (&[][..], "Usage"),
+        (&["requeue"][..], "required"),
+        (
+            &["requeue", "1", "--subscriber", "y"][..],
+            "cannot be used with",
+        ),
+        (&["skip", "abc", "--reason", "r"][..], "invalid digit"),
+        (&["skip", "1"][..], "--reason"),
+        (
+            &["purge", "--published-before", "yesterday"][..],
+            "neither an RFC 3339 timestamp",
+        ),
+        (
+            &["purge", "--published-before", "1d", "--batch-size", "0"][..],
+            "not in 1..=10000",
+        ),
+        (&["dead-letters"][..], "Usage"),
+        (&["vacuum"][..], "unrecognized subcommand"),
+    ] {
+        let stderr = fails(None, args, 2);
+        assert!(stderr.contains(expected), "outbox {args:?}: {stderr}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn databases_it_cannot_use_are_clear_errors_with_exit_code_1() {
+    let stderr = fails(None, &["status"], 1);
+    assert!(
+        stderr.contains("no database: pass --database-url or set DATABASE_URL"),
+        "{stderr}"
+    );
+    let unreachable = [
+        "--database-url",
+        "postgres://postgres@127.0.0.1:1/none",
+        "status",
+    ];
+    let stderr = fails(None, &unreachable, 1);
+    assert!(
+        stderr.starts_with("error: cannot connect to the database"),
+        "{stderr}"
+    );
+    let mysql = ["--database-url", "mysql://root@127.0.0.1/test", "status"];
+    let stderr = fails(None, &mysql, 1);
+    assert!(
+        stderr.contains("unsupported database URL `mysql`"),
+        "{stderr}"
+    );
+    let db = TestDb::new().await;
+    let stderr = fails(Some(&db), &["--table", "outbox; drop", "status"], 1);
+    assert!(
+        stderr.contains(r#"invalid SQL identifier "outbox; drop" for the table"#),
+        "{stderr}"
+    );
+    // Not migrated yet: the database says what is missing.
+    let stderr = fails(Some(&db), &["status"], 1);
+    assert!(stderr.contains("does not exist"), "{stderr}");
+}
+
+#[test]
+fn sqlite_files_work_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = format!(
+        "sqlite://{}?mode=rwc",
+        dir.path().join("outbox.db").display()
+    );
+    let run = |args: &[&str]| outbox(&[&["--database-url", url.as_str()], args].concat());
+    assert!(run(&["migrate"]).status.success());
+    let output = run(&["status", "--json"]);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let status: Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(status["pending_events"], 0, "{status}");
+    assert_eq!(
+        status["oldest_pending_age_seconds"],
+        Value::Null,
+        "{status}"
+    );
+}
