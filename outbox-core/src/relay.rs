@@ -927,6 +927,19 @@ mod tests {
                 "invalid handler timeout: 6s is more than half the lease (10s): a claim could \
                  expire while its handler still runs",
             ),
+            (
+                RelayConfig::default().with_status_interval(Duration::ZERO),
+                "invalid status interval: must be greater than zero",
+            ),
+            (
+                RelayConfig::default().with_retention(Retention::default().with_batch_size(0)),
+                "invalid retention batch size: 0 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default()
+                    .with_retention(Retention::default().with_interval(Duration::ZERO)),
+                "invalid retention interval: must be greater than zero",
+            ),
         ];
         for (config, message) in cases {
             assert_eq!(config.validate().unwrap_err().to_string(), message);
