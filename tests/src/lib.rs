@@ -3,7 +3,8 @@
 //! - [`events`] model the seed's billing scenario; each has a canonical sample in [`samples`],
 //!   whose encoded payload is pinned by a golden file under `fixtures/`.
 //! - [`pg`] gives each test a fresh PostgreSQL database; [`backend`] runs one test body on
-//!   PostgreSQL and on a SQLite file.
+//!   PostgreSQL and on a SQLite file; [`server`] starts a PostgreSQL server of a test's own, for
+//!   tests that restart it.
 //! - [`kit`] has scripted subscribers and the routers that combine them, for relay tests.
 //! - [`seed`] is the seed's dispatcher as a router.
 
@@ -11,6 +12,7 @@ pub mod backend;
 pub mod kit;
 pub mod pg;
 pub mod seed;
+pub mod server;
 
 pub mod events {
     //! Test events covering every form the derive supports.

@@ -5,10 +5,15 @@
 //!
 //! The relay is this test binary run again with `OUTBOX_FAULTS_DATABASE` set: see
 //! `relay_process`, which does nothing when run without it.
+//!
+//! And PostgreSQL itself going down, once by a crash and once by a restart, while producers write
+//! and a relay delivers: the relay backs off while the server is away, reconnects, and nothing
+//! committed is lost. That test runs a server of its own ([`PrivateServer`]).
 
+use std::collections::BTreeSet;
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_core::{
@@ -16,9 +21,14 @@ use outbox_core::{
 };
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
+use outbox_tests::server::{PrivateServer, StopMode};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
+use tokio::sync::Notify;
+use tracing::field::{Field, Visit};
+use tracing::instrument::WithSubscriber;
+use tracing_subscriber::layer::{Context, Layer, SubscriberExt};
 use uuid::Uuid;
 
 const KILLS: usize = 20;
@@ -131,18 +141,56 @@ async fn count(pool: &PgPool, sql: &'static str) -> i64 {
     sqlx::query_scalar(sql).fetch_one(pool).await.unwrap()
 }
 
+async fn create_subscriber_tables(pool: &PgPool) {
+    sqlx::raw_sql(
+        "CREATE TABLE audit (event_id BIGINT PRIMARY KEY);
+         CREATE TABLE log (event_id BIGINT NOT NULL);",
+    )
+    .execute(pool)
+    .await
+    .unwrap();
+}
+
+/// Checks that every event stored in `outbox` reached both subscribers (whose tables are in
+/// `subscribers`) and is published, `audit` exactly once; returns how many events are stored and
+/// how many times `log` handled one.
+async fn check_every_event_delivered(outbox: &PgPool, subscribers: &PgPool) -> (usize, usize) {
+    let ids = |pool, sql| sqlx::query_scalar::<_, i64>(sql).fetch_all(pool);
+    let events: BTreeSet<i64> = ids(outbox, "SELECT id FROM events.outbox")
+        .await
+        .unwrap()
+        .into_iter()
+        .collect();
+    let audit = ids(subscribers, "SELECT event_id FROM audit")
+        .await
+        .unwrap();
+    let log = ids(subscribers, "SELECT event_id FROM log").await.unwrap();
+    let audited: BTreeSet<i64> = audit.iter().copied().collect();
+    let logged: BTreeSet<i64> = log.iter().copied().collect();
+    assert_eq!(
+        (
+            events.difference(&audited).count(),
+            events.difference(&logged).count()
+        ),
+        (0, 0),
+        "events never delivered to `audit`, to `log`"
+    );
+    assert_eq!(audit.len(), events.len(), "exactly one audit row per event");
+    let unpublished = count(
+        outbox,
+        "SELECT count(*) FROM events.outbox WHERE published_at IS NULL",
+    )
+    .await;
+    assert_eq!(unpublished, 0);
+    (events.len(), log.len())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_at_random_moments_loses_nothing() {
     let db = TestDb::new().await;
     let outbox: Outbox<Postgres, Bank> = Outbox::new(db.pool.clone());
     outbox.migrate().await.unwrap();
-    sqlx::raw_sql(
-        "CREATE TABLE audit (event_id BIGINT PRIMARY KEY);
-         CREATE TABLE log (event_id BIGINT NOT NULL);",
-    )
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    create_subscriber_tables(&db.pool).await;
     let accounts: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
 
     // Producers commit until the kills are over.
@@ -202,39 +250,215 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
     }
     relay.kill();
 
-    let events = count(&db.pool, "SELECT count(*) FROM events.outbox").await;
-    assert_eq!(events, committed, "every commit stored one event");
-    let missing_audit = count(
-        &db.pool,
-        "SELECT count(*) FROM events.outbox o WHERE NOT EXISTS
-             (SELECT 1 FROM audit a WHERE a.event_id = o.id)",
-    )
-    .await;
-    let missing_log = count(
-        &db.pool,
-        "SELECT count(*) FROM events.outbox o WHERE NOT EXISTS
-             (SELECT 1 FROM log l WHERE l.event_id = o.id)",
-    )
-    .await;
-    assert_eq!(
-        (missing_audit, missing_log),
-        (0, 0),
-        "events never delivered"
-    );
-    assert_eq!(
-        count(&db.pool, "SELECT count(*) FROM audit").await,
-        committed,
-        "exactly one audit row per event"
-    );
-    let unpublished = count(
-        &db.pool,
-        "SELECT count(*) FROM events.outbox WHERE published_at IS NULL",
-    )
-    .await;
-    assert_eq!(unpublished, 0);
-    let handled = count(&db.pool, "SELECT count(*) FROM log").await;
+    let (events, handled) = check_every_event_delivered(&db.pool, &db.pool).await;
+    assert_eq!(events as i64, committed, "every commit stored one event");
     println!(
         "{committed} events, {KILLS} relays killed, {} redeliveries to `log`",
-        handled - committed
+        handled as i64 - committed
+    );
+}
+
+/// The `retry_in` of each "cannot reach its store" warning of the relay, in order.
+#[derive(Clone, Default)]
+struct StoreRetries(Arc<Mutex<Vec<String>>>);
+
+impl<S: tracing::Subscriber> Layer<S> for StoreRetries {
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        #[derive(Default)]
+        struct Fields {
+            message: String,
+            retry_in: String,
+        }
+        impl Visit for Fields {
+            fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+                match field.name() {
+                    "message" => self.message = format!("{value:?}"),
+                    "retry_in" => self.retry_in = format!("{value:?}"),
+                    _ => {}
+                }
+            }
+        }
+        let mut fields = Fields::default();
+        event.record(&mut fields);
+        if fields.message == "outbox relay cannot reach its store" {
+            self.0.lock().unwrap().push(fields.retry_in);
+        }
+    }
+}
+
+/// One deposit: `Err(true)` when the commit itself failed (the event may be stored or not).
+async fn deposit(outbox: &Outbox<Postgres, Bank>, account: Uuid) -> Result<(), bool> {
+    let mut tx = outbox.begin().await.map_err(|_| false)?;
+    tx.publish(&Deposited { account, amount: 1 })
+        .await
+        .map_err(|_| false)?;
+    tx.commit().await.map(drop).map_err(|_| true)
+}
+
+/// Waits until `audit` holds more than `than` rows; the pool may be reconnecting meanwhile.
+async fn wait_for_audits(pool: &PgPool, than: i64, what: &str) -> i64 {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        if let Ok(audited) = sqlx::query_scalar::<_, i64>("SELECT count(*) FROM audit")
+            .fetch_one(pool)
+            .await
+            && audited > than
+        {
+            return audited;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no delivery {what} within 30 s"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_rides_out_postgresql_restarts() {
+    // A server of this test's own: the shared one must stay up for the tests running beside it.
+    let server = Arc::new(
+        tokio::task::spawn_blocking(PrivateServer::start)
+            .await
+            .unwrap(),
+    );
+    // Short acquire timeouts: while the server is down, claims fail and the relay backs off.
+    let url = server.url();
+    let connect = || {
+        PgPoolOptions::new()
+            .max_connections(4)
+            .acquire_timeout(Duration::from_millis(250))
+            .connect(&url)
+    };
+    let (pool, relay_pool) = (connect().await.unwrap(), connect().await.unwrap());
+    let outbox: Outbox<Postgres, Bank> = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    // The subscribers write to the shared server: the outage is the outbox's, not theirs.
+    let db = TestDb::new().await;
+    create_subscriber_tables(&db.pool).await;
+
+    // The relay, in this process but on its own pool and outbox (its own wake-ups).
+    let relay = Outbox::<Postgres, Bank>::new(relay_pool.clone())
+        .relay(
+            Bank {
+                audit: Audit(db.pool.clone()),
+                log: Log(db.pool.clone()),
+            },
+            RelayConfig::default()
+                .with_batch_size(25)
+                .with_lease(Duration::from_secs(2))
+                .with_handler_timeout(Duration::from_secs(1))
+                .with_poll_interval(Duration::from_millis(200))
+                .with_max_error_backoff(Duration::from_secs(1))
+                .with_retry(RetryPolicy::new([Duration::from_millis(100); 10]).unwrap()),
+        )
+        .unwrap();
+    let retries = StoreRetries::default();
+    let stop = Arc::new(Notify::new());
+    let relay_task = tokio::spawn({
+        let stop = stop.clone();
+        async move { relay.run(stop.notified()).await }
+            .with_subscriber(tracing_subscriber::registry().with(retries.clone()))
+    });
+
+    // Producers deposit until told to stop, through the outages, counting what they know.
+    let accounts: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
+    let producing = Arc::new(AtomicBool::new(true));
+    let producers: Vec<_> = (0..PRODUCERS)
+        .map(|_| {
+            let (outbox, accounts, producing) =
+                (outbox.clone(), accounts.clone(), producing.clone());
+            tokio::spawn(async move {
+                let (mut committed, mut unsure, mut failed) = (0_i64, 0_i64, 0_i64);
+                while producing.load(Ordering::Relaxed) {
+                    match deposit(&outbox, accounts[fastrand::usize(..accounts.len())]).await {
+                        Ok(()) => committed += 1,
+                        Err(true) => unsure += 1,
+                        Err(false) => failed += 1,
+                    }
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+                (committed, unsure, failed)
+            })
+        })
+        .collect();
+
+    wait_for_audits(&db.pool, 0, "before the restarts").await;
+    // A crash: the server's processes are killed, and it recovers from its WAL five seconds on.
+    // The relay first retries recording its batch (five tries, two seconds), then claims.
+    let down = server.clone();
+    tokio::task::spawn_blocking(move || down.stop(StopMode::Immediate))
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    let up = server.clone();
+    tokio::task::spawn_blocking(move || up.start_again())
+        .await
+        .unwrap();
+    let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
+    let audited = wait_for_audits(&db.pool, audited, "after the crash").await;
+    // A planned restart: clients are disconnected, the server is back at once.
+    let restart = server.clone();
+    tokio::task::spawn_blocking(move || {
+        restart.stop(StopMode::Fast);
+        restart.start_again();
+    })
+    .await
+    .unwrap();
+    wait_for_audits(&db.pool, audited, "after the restart").await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    producing.store(false, Ordering::Relaxed);
+    let (mut committed, mut unsure, mut failed) = (0, 0, 0);
+    for producer in producers {
+        let (c, u, f) = producer.await.unwrap();
+        (committed, unsure, failed) = (committed + c, unsure + u, failed + f);
+    }
+    assert!(failed > 0, "no deposit failed: the server was never down");
+
+    // Everything stored gets delivered.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = outbox.status().await.unwrap();
+        if status.is_settled() {
+            assert_eq!(status.dead_letters, 0, "{status:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not settled 30 s after the restarts: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.notify_one();
+    relay_task.await.unwrap();
+    let (events, handled) = check_every_event_delivered(&pool, &db.pool).await;
+    assert!(
+        (committed..=committed + unsure).contains(&(events as i64)),
+        "{events} events stored, {committed} commits acknowledged and {unsure} unsure"
+    );
+
+    // The relay backed off while the server was down: 50 ms, doubling up to its maximum of 1 s,
+    // and from 50 ms again after it reached the store.
+    let retries = retries.0.lock().unwrap().clone();
+    let schedule: Vec<String> = [50, 100, 200, 400, 800, 1000]
+        .map(|ms| format!("{:?}", Duration::from_millis(ms)))
+        .into();
+    let mut step = 0;
+    for retry_in in &retries {
+        step = if *retry_in == schedule[0] {
+            0
+        } else {
+            (step + 1).min(schedule.len() - 1)
+        };
+        assert_eq!(*retry_in, schedule[step], "store retries {retries:?}");
+    }
+    assert!(
+        retries.iter().any(|r| *r == schedule[2]),
+        "the relay never backed off to 200 ms in a 5 s outage: {retries:?}"
+    );
+    println!(
+        "{events} events ({committed} acknowledged, {unsure} unsure, {failed} refused), \
+         {} redeliveries to `log`, store retries {retries:?}",
+        handled - events
     );
 }
