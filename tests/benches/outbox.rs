@@ -130,8 +130,9 @@ async fn setup(accounts: usize) -> (TestDb, Outbox<Postgres, Bench>, Vec<Uuid>) 
     let pool = db.pool_named("bench", 20).await;
     let outbox: Outbox<Postgres, Bench> = Outbox::new(pool.clone());
     outbox.migrate().await.unwrap();
-    // The seed's index, which the raw loops' query needs; it costs our relay nothing, since it
-    // scans the outbox's own pending index.
+    // The seed's index, which the raw loops' query needs. Our claim does not use it (it scans the
+    // outbox's own pending index and looks claimed events up by primary key); our producers pay
+    // for maintaining it, as the raw producers do.
     sqlx::query(
         "CREATE INDEX outbox_unpublished_idx ON events.outbox (id) WHERE published_at IS NULL",
     )
