@@ -28,13 +28,14 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 6] = [
+const INDEXES: [&str; 7] = [
     "pending_idx",
     "aggregate_idx",
     "stalled_idx",
     "deliveries_head_idx",
     "deliveries_aggregate_idx",
     "deliveries_due_idx",
+    "deliveries_event_idx",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.

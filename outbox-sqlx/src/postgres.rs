@@ -101,6 +101,15 @@ COMMENT ON TABLE {skips} IS
     'deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber';
 "#,
     ),
+    (
+        3,
+        "an index of deliveries by event, for the foreign key",
+        r#"
+-- Deleting an event (retention) checks that no delivery refers to it: without this index, by a
+-- scan of every delivery per deleted event.
+CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -902,6 +911,67 @@ mod tests {
         assert!(
             read <= (10 * BATCH) as f64,
             "a claim of {BATCH} read {read} rows of a backlog of {BACKLOG}: {plan:#}"
+        );
+    }
+
+    /// Retention deletes old events one statement per batch; each deleted event's foreign key is
+    /// checked against the deliveries. With a subscriber down for long the deliveries pile up,
+    /// and a check that scans them all per deleted event made purges (and the relay that runs
+    /// them) crawl. The purge must read about as many delivery rows as there are, once.
+    #[tokio::test]
+    async fn a_purge_does_not_scan_the_deliveries_once_per_deleted_event() {
+        const PURGED: i64 = 500;
+        const DELIVERIES: i64 = 5000;
+        let db = TestDb::new().await;
+        Outbox::<Postgres, ()>::new(db.pool.clone())
+            .migrate()
+            .await
+            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() - interval '2 days'
+             FROM generate_series(1, {PURGED});
+             WITH waiting AS (
+                 INSERT INTO events.outbox
+                     (aggregate_type, aggregate_id, event_type, payload, published_at)
+                 SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+                 FROM generate_series(1, {DELIVERIES})
+                 RETURNING id, aggregate_id
+             )
+             INSERT INTO events.outbox_deliveries (event_id, subscriber, aggregate_id)
+             SELECT id, 'down', aggregate_id FROM waiting;
+             ANALYZE events.outbox_deliveries;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+        let queries = Postgres::queries(&TableNames::default());
+        let mut tx = db.pool.begin().await.unwrap();
+        let purged = sqlx::query(queries.purge_published.clone())
+            .bind(86_400.0_f64)
+            .bind(PURGED + 1)
+            .execute(&mut *tx)
+            .await
+            .unwrap()
+            .rows_affected();
+        // This transaction's reads of the deliveries: sequential, and through each index.
+        let read: i64 = sqlx::query_scalar(
+            "SELECT (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables
+                     WHERE relid = 'events.outbox_deliveries'::regclass)
+                  + (SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8
+                     FROM pg_index WHERE indrelid = 'events.outbox_deliveries'::regclass)",
+        )
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+        tx.rollback().await.unwrap();
+
+        assert_eq!(purged, PURGED as u64);
+        assert!(
+            read <= 2 * (DELIVERIES + PURGED),
+            "purging {PURGED} events read {read} delivery rows of {DELIVERIES}"
         );
     }
 }

@@ -80,6 +80,15 @@ CREATE TABLE {skips} (
 );
 "#,
     ),
+    (
+        3,
+        "an index of deliveries by event, for the foreign key",
+        r#"
+-- Deleting an event (retention) checks that no delivery refers to it: without this index, by a
+-- scan of every delivery per deleted event.
+CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
