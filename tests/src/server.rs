@@ -134,7 +134,8 @@ impl PrivateServer {
         command
     }
 
-    /// Runs one of the server's programs; panics with its output on failure.
+    /// Runs one of the server's programs; panics with its output, and the server's log (which
+    /// goes with the temporary directory), on failure.
     fn pg(&self, program: &str, args: &[&str]) -> Output {
         let output = self
             .command(program)
@@ -143,10 +144,11 @@ impl PrivateServer {
             .unwrap_or_else(|e| panic!("cannot run {program}: {e}"));
         assert!(
             output.status.success(),
-            "{program} {args:?} failed ({}):\n{}{}",
+            "{program} {args:?} failed ({}):\n{}{}\nserver log:\n{}",
             output.status,
             String::from_utf8_lossy(&output.stdout),
             String::from_utf8_lossy(&output.stderr),
+            std::fs::read_to_string(self.data().join("server.log")).unwrap_or_default(),
         );
         output
     }
