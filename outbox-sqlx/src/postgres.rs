@@ -837,6 +837,16 @@ mod tests {
     use super::*;
     use crate::Outbox;
 
+    /// A fresh database with the outbox tables in their default names.
+    async fn migrated() -> TestDb {
+        let db = TestDb::new().await;
+        Outbox::<Postgres, ()>::new(db.pool.clone())
+            .migrate()
+            .await
+            .unwrap();
+        db
+    }
+
     /// Rows the nodes of `plan` that read `relation` produced or filtered out, over all loops.
     fn rows_read(plan: &Value, relation: &str) -> f64 {
         let number = |key: &str| plan.get(key).and_then(Value::as_f64).unwrap_or(0.0);
@@ -862,11 +872,7 @@ mod tests {
     async fn a_claim_reads_a_batch_not_the_backlog_whatever_the_statistics() {
         const BATCH: i64 = 100;
         const BACKLOG: i64 = 100 * BATCH;
-        let db = TestDb::new().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .migrate()
-            .await
-            .unwrap();
+        let db = migrated().await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO events.outbox
                  (aggregate_type, aggregate_id, event_type, payload, published_at)
@@ -922,11 +928,7 @@ mod tests {
     async fn a_purge_does_not_scan_the_deliveries_once_per_deleted_event() {
         const PURGED: i64 = 500;
         const DELIVERIES: i64 = 5000;
-        let db = TestDb::new().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .migrate()
-            .await
-            .unwrap();
+        let db = migrated().await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO events.outbox
                  (aggregate_type, aggregate_id, event_type, payload, published_at)
