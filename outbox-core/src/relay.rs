@@ -5,6 +5,7 @@ use std::collections::HashSet;
 use std::future::Future;
 use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use futures_util::FutureExt;
@@ -319,6 +320,9 @@ pub struct Relay<S, R> {
     store: S,
     router: R,
     config: RelayConfig,
+    /// Shared by every `run` of this relay: workers running one relay do the chores once per
+    /// interval between them, and a `run` started again does not redo them.
+    chores: Mutex<Chores>,
 }
 
 /// Keys held back within one batch.
@@ -357,6 +361,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             store,
             router,
             config,
+            chores: Mutex::new(Chores::new()),
         })
     }
 
@@ -384,7 +389,6 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut backoff = Duration::ZERO;
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<Outcomes> = None;
-        let mut chores = Chores::new();
         loop {
             if (&mut shutdown).now_or_never().is_some() {
                 if let Some(outcomes) = unrecorded.take() {
@@ -392,7 +396,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 return;
             }
-            self.do_chores(&mut chores).await;
+            self.do_chores().await;
             let recording = unrecorded.is_some();
             let claimed = match unrecorded.take() {
                 None => self.claim().await,
@@ -466,35 +470,50 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Reports the status and purges old events when they are due. Failures are logged: chores
     /// never stop deliveries.
-    async fn do_chores(&self, chores: &mut Chores) {
+    async fn do_chores(&self) {
         let now = Instant::now();
-        if now >= chores.next_status {
-            chores.next_status = now + self.config.status_interval;
-            if let Err(error) = self.report_status().await {
-                tracing::warn!(%error, "outbox relay cannot read the store's status");
+        let retention = self.config.retention.as_ref();
+        // Each due chore is pushed back before it runs, so that another `run` does not do it too.
+        let (status_due, purge_due) = {
+            let mut chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
+            let status_due = now >= chores.next_status;
+            if status_due {
+                chores.next_status = now + self.config.status_interval;
             }
+            let purge_due = retention.is_some_and(|r| {
+                let due = now >= chores.next_purge;
+                if due {
+                    chores.next_purge = now + r.interval;
+                }
+                due
+            });
+            (status_due, purge_due)
+        };
+        if status_due && let Err(error) = self.report_status().await {
+            tracing::warn!(%error, "outbox relay cannot read the store's status");
         }
-        if let Some(retention) = &self.config.retention
-            && now >= chores.next_purge
-        {
-            chores.next_purge = match self
+        if let Some(retention) = retention.filter(|_| purge_due) {
+            match self
                 .store
                 .purge_published(retention.keep, retention.batch_size)
                 .await
             {
                 // A full batch: there may be more; go on after the next batch of deliveries.
-                Ok(deleted) if deleted >= u64::from(retention.batch_size) => now,
+                Ok(deleted) if deleted >= u64::from(retention.batch_size) => {
+                    self.chores
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .next_purge = now;
+                }
                 Ok(deleted) => {
                     if deleted > 0 {
                         tracing::debug!(deleted, "outbox relay purged old published events");
                     }
-                    now + retention.interval
                 }
                 Err(error) => {
                     tracing::warn!(%error, "outbox relay cannot purge old published events");
-                    now + retention.interval
                 }
-            };
+            }
         }
     }
 

@@ -332,6 +332,8 @@ pub struct WatchedStore<S> {
     pub idle: Arc<tokio::sync::Notify>,
     /// Each purge: (batch size asked, rows deleted).
     pub purges: Arc<Mutex<Vec<(u32, u64)>>>,
+    /// How many times the status was read.
+    pub statuses: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<S> WatchedStore<S> {
@@ -341,6 +343,7 @@ impl<S> WatchedStore<S> {
             inner,
             idle: Arc::new(tokio::sync::Notify::new()),
             purges: Arc::default(),
+            statuses: Arc::default(),
         }
     }
 }
@@ -389,6 +392,8 @@ impl<S: Store> Store for WatchedStore<S> {
     }
 
     async fn status(&self) -> Result<outbox_core::store::Status, outbox_core::StoreError> {
+        self.statuses
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         self.inner.status().await
     }
 

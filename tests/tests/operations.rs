@@ -20,6 +20,7 @@ on_both_backends!(
     a_relay_reports_every_metric_with_its_value_and_labels,
     the_store_purges_old_published_events_in_batches_and_keeps_the_rest,
     a_relay_with_retention_purges_old_published_events_as_it_runs,
+    a_relay_run_again_does_not_redo_its_chores_before_their_interval,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -305,4 +306,30 @@ async fn a_relay_with_retention_purges_old_published_events_as_it_runs<B: TestBa
     // Full batches follow each other; the short one ends the round until the interval passes.
     assert_eq!(*purges.lock().unwrap(), [(3, 3), (3, 3), (3, 1)]);
     assert_eq!(remaining(&outbox).await, keep);
+}
+
+async fn a_relay_run_again_does_not_redo_its_chores_before_their_interval<B: TestBackend>() {
+    let (_db, outbox) = outbox::<B, PingPong>().await;
+    let probe = Probe::default();
+    let store = WatchedStore::new(outbox.store());
+    let (statuses, purges, idle) = (
+        store.statuses.clone(),
+        store.purges.clone(),
+        store.idle.clone(),
+    );
+    let hour = Duration::from_secs(3600);
+    let config = config()
+        .with_status_interval(hour)
+        .with_retention(Retention::keep(DAY).with_interval(hour));
+    let relay = Relay::new(store, XAndY::new(&probe), config).unwrap();
+    for _ in 0..3 {
+        // Each run stops at its first claim that finds nothing, after that round's chores.
+        relay.run(idle.notified()).await;
+    }
+    assert_eq!(
+        statuses.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "one status report per interval, however many runs"
+    );
+    assert_eq!(purges.lock().unwrap().len(), 1, "one purge per interval");
 }
