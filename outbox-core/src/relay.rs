@@ -377,10 +377,8 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Runs until `shutdown` resolves, then returns after the batch in progress is recorded.
     ///
-    /// The outcomes of one batch are recorded together with the claim of the next
-    /// ([`Store::record_and_claim`]: one transaction where the store can, else at once, while the
-    /// claim of the batch being recorded still holds its aggregates' later events back, so
-    /// order is kept).
+    /// The outcomes of one batch are recorded while the next batch is claimed (the claim of the
+    /// recorded batch still holds its aggregates' later events back, so order is kept).
     ///
     /// Store errors (a lost connection, a restarting database) are logged and retried with
     /// exponential backoff; they never end the loop.
@@ -401,14 +399,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             let claimed = match unrecorded.take() {
                 None => self.claim().await,
                 Some(outcomes) => {
-                    let (recorded, claimed) = self
-                        .store
-                        .record_and_claim(&outcomes, self.config.batch_size, self.config.lease)
-                        .await;
-                    if let Err(error) = recorded {
-                        tracing::debug!(%error, "outbox relay could not record a batch; retrying");
-                        self.record_or_log(&outcomes).await;
-                    }
+                    let ((), claimed) = tokio::join!(self.record_or_log(&outcomes), self.claim());
                     claimed
                 }
             };

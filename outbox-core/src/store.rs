@@ -222,21 +222,6 @@ pub trait Store: Send + Sync + 'static {
     /// Records the outcomes of a batch, atomically.
     fn record(&self, outcomes: &Outcomes) -> impl Future<Output = Result<(), StoreError>> + Send;
 
-    /// Records the outcomes of one batch and claims the next, as a running relay does between
-    /// batches; returns what became of each. A store that can do both in one transaction
-    /// overrides this: one commit per batch instead of two, and the claim sees the recorded batch
-    /// finished.
-    ///
-    /// The default records and claims at once, each on its own.
-    fn record_and_claim(
-        &self,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> impl Future<Output = (Result<(), StoreError>, Result<Vec<Claim>, StoreError>)> + Send {
-        async move { tokio::join!(self.record(outcomes), self.claim(limit, lease)) }
-    }
-
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     fn requeue(&self, which: &Requeue) -> impl Future<Output = Result<u64, StoreError>> + Send;
 

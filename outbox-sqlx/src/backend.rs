@@ -49,16 +49,6 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         outcomes: &Outcomes,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// `record`, then `claim`, in one transaction: if it fails, neither happened.
-    #[doc(hidden)]
-    fn record_and_claim(
-        pool: &Pool<Self>,
-        queries: &Self::Queries,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
-
     /// Deletes one batch of old published events.
     #[doc(hidden)]
     fn purge_published(

@@ -268,24 +268,6 @@ impl<DB: Backend> Store for SqlStore<DB> {
             .map_err(StoreError::new)
     }
 
-    async fn record_and_claim(
-        &self,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: std::time::Duration,
-    ) -> (Result<(), StoreError>, Result<Vec<Claim>, StoreError>) {
-        let (pool, queries) = (&self.inner.pool, &self.inner.queries);
-        match DB::record_and_claim(pool, queries, outcomes, limit, lease).await {
-            Ok(claims) => (Ok(()), Ok(claims)),
-            // Rolled back, so neither happened: try each on its own, so that a failure of one
-            // does not hold the other back.
-            Err(error) => {
-                tracing::debug!(%error, "outbox store could not record and claim in one transaction");
-                tokio::join!(self.record(outcomes), self.claim(limit, lease))
-            }
-        }
-    }
-
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
         self.requeue_rows(which).await.map_err(StoreError::new)
     }

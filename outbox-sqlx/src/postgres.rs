@@ -502,24 +502,17 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         // One claimer at a time; the claim statement that follows sees every claim committed
         // before the lock was granted. (`BEGIN` and the lock go in one round trip.)
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
-        let claims = claim_in(&mut tx, queries, limit, lease).await?;
+        let rows = sqlx::query(queries.claim.clone())
+            .bind(i64::from(limit))
+            .bind(lease.as_secs_f64())
+            .fetch_all(&mut *tx)
+            .await?;
         tx.commit().await?;
-        Ok(claims)
-    }
-
-    async fn record_and_claim(
-        pool: &PgPool,
-        queries: &PgQueries,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> Result<Vec<Claim>, sqlx::Error> {
-        // As in `claim`, with the outcomes recorded first: the claim sees the recorded batch
-        // finished, and one commit serves both.
-        let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
-        record_in(&mut tx, queries, outcomes).await?;
-        let claims = claim_in(&mut tx, queries, limit, lease).await?;
-        tx.commit().await?;
+        let mut claims = rows
+            .iter()
+            .map(claim_from_row)
+            .collect::<Result<Vec<_>, _>>()?;
+        claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(claims)
     }
 
@@ -528,7 +521,84 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         outcomes: &Outcomes,
     ) -> Result<(), sqlx::Error> {
-        record_in(&mut *pool.acquire().await?, queries, outcomes).await
+        let all_published = outcomes.deliveries.is_empty()
+            && outcomes
+                .events
+                .iter()
+                .all(|(_, outcome)| *outcome == EventOutcome::Published);
+        if all_published {
+            let ids: Vec<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
+            sqlx::query(queries.record_published.clone())
+                .bind(ids)
+                .execute(pool)
+                .await?;
+            return Ok(());
+        }
+        let mut published = Vec::new();
+        let (mut parked_ids, mut parked_reasons, mut parked_delays) = (vec![], vec![], vec![]);
+        let (mut dead_ids, mut dead_reasons) = (vec![], vec![]);
+        let mut released = Vec::new();
+        for (id, outcome) in &outcomes.events {
+            match outcome {
+                EventOutcome::Published => published.push(*id),
+                EventOutcome::Parked { reason, retry_in } => {
+                    parked_ids.push(*id);
+                    parked_reasons.push(reason.as_str());
+                    parked_delays.push(retry_in.as_secs_f64());
+                }
+                EventOutcome::Dead { reason } => {
+                    dead_ids.push(*id);
+                    dead_reasons.push(reason.as_str());
+                }
+                EventOutcome::Released => released.push(*id),
+            }
+        }
+        let (mut done_subscribers, mut done_ids) = (vec![], vec![]);
+        let (mut rel_subscribers, mut rel_ids) = (vec![], vec![]);
+        let mut up = Upserts::default();
+        for d in &outcomes.deliveries {
+            match &d.outcome {
+                DeliveryOutcome::Delivered => {
+                    done_subscribers.push(d.subscriber.as_str());
+                    done_ids.push(d.event_id);
+                }
+                DeliveryOutcome::Released => {
+                    rel_subscribers.push(d.subscriber.as_str());
+                    rel_ids.push(d.event_id);
+                }
+                DeliveryOutcome::Waiting => up.push(d, 0, None, Duration::ZERO, false),
+                DeliveryOutcome::Retry {
+                    attempts,
+                    error,
+                    retry_in,
+                } => up.push(d, *attempts, Some(error), *retry_in, false),
+                DeliveryOutcome::Dead { attempts, error } => {
+                    up.push(d, *attempts, Some(error), Duration::ZERO, true);
+                }
+            }
+        }
+        sqlx::query(queries.record.clone())
+            .bind(published)
+            .bind(parked_ids)
+            .bind(parked_reasons)
+            .bind(parked_delays)
+            .bind(dead_ids)
+            .bind(dead_reasons)
+            .bind(released)
+            .bind(done_subscribers)
+            .bind(done_ids)
+            .bind(up.event_ids)
+            .bind(up.subscribers)
+            .bind(up.aggregate_ids)
+            .bind(up.attempts)
+            .bind(up.errors)
+            .bind(up.delays)
+            .bind(up.dead)
+            .bind(rel_subscribers)
+            .bind(rel_ids)
+            .execute(pool)
+            .await?;
+        Ok(())
     }
 
     async fn purge_published(
@@ -719,112 +789,6 @@ impl<'a> Upserts<'a> {
         self.delays.push(delay.as_secs_f64());
         self.dead.push(dead);
     }
-}
-
-/// Claims a batch in a transaction begun with `claim_begin`.
-async fn claim_in(
-    conn: &mut PgConnection,
-    queries: &PgQueries,
-    limit: u32,
-    lease: Duration,
-) -> Result<Vec<Claim>, sqlx::Error> {
-    let rows = sqlx::query(queries.claim.clone())
-        .bind(i64::from(limit))
-        .bind(lease.as_secs_f64())
-        .fetch_all(&mut *conn)
-        .await?;
-    let mut claims = rows
-        .iter()
-        .map(claim_from_row)
-        .collect::<Result<Vec<_>, _>>()?;
-    claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-    Ok(claims)
-}
-
-/// Records a batch's outcomes (in one statement: no transaction of its own needed).
-async fn record_in(
-    conn: &mut PgConnection,
-    queries: &PgQueries,
-    outcomes: &Outcomes,
-) -> Result<(), sqlx::Error> {
-    let all_published = outcomes.deliveries.is_empty()
-        && outcomes
-            .events
-            .iter()
-            .all(|(_, outcome)| *outcome == EventOutcome::Published);
-    if all_published {
-        let ids: Vec<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
-        sqlx::query(queries.record_published.clone())
-            .bind(ids)
-            .execute(&mut *conn)
-            .await?;
-        return Ok(());
-    }
-    let mut published = Vec::new();
-    let (mut parked_ids, mut parked_reasons, mut parked_delays) = (vec![], vec![], vec![]);
-    let (mut dead_ids, mut dead_reasons) = (vec![], vec![]);
-    let mut released = Vec::new();
-    for (id, outcome) in &outcomes.events {
-        match outcome {
-            EventOutcome::Published => published.push(*id),
-            EventOutcome::Parked { reason, retry_in } => {
-                parked_ids.push(*id);
-                parked_reasons.push(reason.as_str());
-                parked_delays.push(retry_in.as_secs_f64());
-            }
-            EventOutcome::Dead { reason } => {
-                dead_ids.push(*id);
-                dead_reasons.push(reason.as_str());
-            }
-            EventOutcome::Released => released.push(*id),
-        }
-    }
-    let (mut done_subscribers, mut done_ids) = (vec![], vec![]);
-    let (mut rel_subscribers, mut rel_ids) = (vec![], vec![]);
-    let mut up = Upserts::default();
-    for d in &outcomes.deliveries {
-        match &d.outcome {
-            DeliveryOutcome::Delivered => {
-                done_subscribers.push(d.subscriber.as_str());
-                done_ids.push(d.event_id);
-            }
-            DeliveryOutcome::Released => {
-                rel_subscribers.push(d.subscriber.as_str());
-                rel_ids.push(d.event_id);
-            }
-            DeliveryOutcome::Waiting => up.push(d, 0, None, Duration::ZERO, false),
-            DeliveryOutcome::Retry {
-                attempts,
-                error,
-                retry_in,
-            } => up.push(d, *attempts, Some(error), *retry_in, false),
-            DeliveryOutcome::Dead { attempts, error } => {
-                up.push(d, *attempts, Some(error), Duration::ZERO, true);
-            }
-        }
-    }
-    sqlx::query(queries.record.clone())
-        .bind(published)
-        .bind(parked_ids)
-        .bind(parked_reasons)
-        .bind(parked_delays)
-        .bind(dead_ids)
-        .bind(dead_reasons)
-        .bind(released)
-        .bind(done_subscribers)
-        .bind(done_ids)
-        .bind(up.event_ids)
-        .bind(up.subscribers)
-        .bind(up.aggregate_ids)
-        .bind(up.attempts)
-        .bind(up.errors)
-        .bind(up.delays)
-        .bind(up.dead)
-        .bind(rel_subscribers)
-        .bind(rel_ids)
-        .execute(&mut *conn)
-        .await?;
-    Ok(())
 }
 
 fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {

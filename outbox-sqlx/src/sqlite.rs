@@ -377,9 +377,56 @@ DELETE FROM {outbox} WHERE id IN (
         limit: u32,
         lease: Duration,
     ) -> Result<Vec<Claim>, sqlx::Error> {
+        let (now, until) = (now(), after(lease));
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let claims = claim_in(&mut tx, queries, limit, lease).await?;
+        let event_rows = sqlx::query(queries.claim_events.clone())
+            .bind(now)
+            .bind(i64::from(limit))
+            .bind(until)
+            .fetch_all(&mut *tx)
+            .await?;
+        let delivery_rows = sqlx::query(queries.claim_deliveries.clone())
+            .bind(now)
+            .bind(i64::from(limit))
+            .bind(until)
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut claims = Vec::with_capacity(event_rows.len() + delivery_rows.len());
+        for row in &event_rows {
+            let blocked: String = row.try_get("blocked")?;
+            claims.push(Claim::Event {
+                event: stored_event(row)?,
+                parked: count(row.try_get("retry_count")?),
+                blocked: serde_json::from_str(&blocked)
+                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+            });
+        }
+        if !delivery_rows.is_empty() {
+            let ids: Vec<i64> = delivery_rows
+                .iter()
+                .map(|row| row.try_get("event_id"))
+                .collect::<Result<_, _>>()?;
+            let events = sqlx::query(queries.events_by_id.clone())
+                .bind(json!(ids).to_string())
+                .fetch_all(&mut *tx)
+                .await?
+                .iter()
+                .map(stored_event)
+                .collect::<Result<Vec<_>, _>>()?;
+            for row in &delivery_rows {
+                let id: i64 = row.try_get("event_id")?;
+                let Some(event) = events.iter().find(|e| e.id == id) else {
+                    continue;
+                };
+                claims.push(Claim::Delivery {
+                    event: event.clone(),
+                    subscriber: row.try_get("subscriber")?,
+                    attempts: count(row.try_get("attempts")?),
+                });
+            }
+        }
         tx.commit().await?;
+        claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(claims)
     }
 
@@ -388,23 +435,75 @@ DELETE FROM {outbox} WHERE id IN (
         queries: &SqliteQueries,
         outcomes: &Outcomes,
     ) -> Result<(), sqlx::Error> {
+        let now = now();
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        record_in(&mut tx, queries, outcomes).await?;
+        let (mut published, mut released) = (Vec::new(), Vec::new());
+        for (id, outcome) in &outcomes.events {
+            match outcome {
+                EventOutcome::Published => published.push(*id),
+                EventOutcome::Released => released.push(*id),
+                EventOutcome::Parked { reason, retry_in } => {
+                    sqlx::query(queries.park.clone())
+                        .bind(id)
+                        .bind(reason)
+                        .bind(after(*retry_in))
+                        .execute(&mut *tx)
+                        .await?;
+                }
+                EventOutcome::Dead { reason } => {
+                    sqlx::query(queries.kill.clone())
+                        .bind(id)
+                        .bind(reason)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await?;
+                }
+            }
+        }
+        if !published.is_empty() {
+            sqlx::query(queries.publish.clone())
+                .bind(now)
+                .bind(json!(published).to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
+        if !released.is_empty() {
+            sqlx::query(queries.release.clone())
+                .bind(json!(released).to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
+        for d in &outcomes.deliveries {
+            let upsert = |attempts: u32, error: Option<&String>, at: i64, dead: Option<i64>| {
+                sqlx::query(queries.upsert_delivery.clone())
+                    .bind(d.event_id)
+                    .bind(d.subscriber.clone())
+                    .bind(d.aggregate_id)
+                    .bind(i64::from(attempts))
+                    .bind(error.cloned())
+                    .bind(at)
+                    .bind(dead)
+            };
+            let query = match &d.outcome {
+                DeliveryOutcome::Delivered => sqlx::query(queries.delete_delivery.clone())
+                    .bind(d.subscriber.clone())
+                    .bind(d.event_id),
+                DeliveryOutcome::Released => sqlx::query(queries.release_delivery.clone())
+                    .bind(d.subscriber.clone())
+                    .bind(d.event_id),
+                DeliveryOutcome::Waiting => upsert(0, None, now, None),
+                DeliveryOutcome::Retry {
+                    attempts,
+                    error,
+                    retry_in,
+                } => upsert(*attempts, Some(error), after(*retry_in), None),
+                DeliveryOutcome::Dead { attempts, error } => {
+                    upsert(*attempts, Some(error), now, Some(now))
+                }
+            };
+            query.execute(&mut *tx).await?;
+        }
         tx.commit().await
-    }
-
-    async fn record_and_claim(
-        pool: &SqlitePool,
-        queries: &SqliteQueries,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> Result<Vec<Claim>, sqlx::Error> {
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        record_in(&mut tx, queries, outcomes).await?;
-        let claims = claim_in(&mut tx, queries, limit, lease).await?;
-        tx.commit().await?;
-        Ok(claims)
     }
 
     async fn purge_published(
@@ -554,140 +653,6 @@ DELETE FROM {outbox} WHERE id IN (
                 .rows_affected()),
         }
     }
-}
-
-/// Claims a batch in a `BEGIN IMMEDIATE` transaction.
-async fn claim_in(
-    conn: &mut SqliteConnection,
-    queries: &SqliteQueries,
-    limit: u32,
-    lease: Duration,
-) -> Result<Vec<Claim>, sqlx::Error> {
-    let (now, until) = (now(), after(lease));
-    let event_rows = sqlx::query(queries.claim_events.clone())
-        .bind(now)
-        .bind(i64::from(limit))
-        .bind(until)
-        .fetch_all(&mut *conn)
-        .await?;
-    let delivery_rows = sqlx::query(queries.claim_deliveries.clone())
-        .bind(now)
-        .bind(i64::from(limit))
-        .bind(until)
-        .fetch_all(&mut *conn)
-        .await?;
-    let mut claims = Vec::with_capacity(event_rows.len() + delivery_rows.len());
-    for row in &event_rows {
-        let blocked: String = row.try_get("blocked")?;
-        claims.push(Claim::Event {
-            event: stored_event(row)?,
-            parked: count(row.try_get("retry_count")?),
-            blocked: serde_json::from_str(&blocked)
-                .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
-        });
-    }
-    if !delivery_rows.is_empty() {
-        let ids: Vec<i64> = delivery_rows
-            .iter()
-            .map(|row| row.try_get("event_id"))
-            .collect::<Result<_, _>>()?;
-        let events = sqlx::query(queries.events_by_id.clone())
-            .bind(json!(ids).to_string())
-            .fetch_all(&mut *conn)
-            .await?
-            .iter()
-            .map(stored_event)
-            .collect::<Result<Vec<_>, _>>()?;
-        for row in &delivery_rows {
-            let id: i64 = row.try_get("event_id")?;
-            let Some(event) = events.iter().find(|e| e.id == id) else {
-                continue;
-            };
-            claims.push(Claim::Delivery {
-                event: event.clone(),
-                subscriber: row.try_get("subscriber")?,
-                attempts: count(row.try_get("attempts")?),
-            });
-        }
-    }
-    claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-    Ok(claims)
-}
-
-/// Records a batch's outcomes in a `BEGIN IMMEDIATE` transaction.
-async fn record_in(
-    conn: &mut SqliteConnection,
-    queries: &SqliteQueries,
-    outcomes: &Outcomes,
-) -> Result<(), sqlx::Error> {
-    let now = now();
-    let (mut published, mut released) = (Vec::new(), Vec::new());
-    for (id, outcome) in &outcomes.events {
-        match outcome {
-            EventOutcome::Published => published.push(*id),
-            EventOutcome::Released => released.push(*id),
-            EventOutcome::Parked { reason, retry_in } => {
-                sqlx::query(queries.park.clone())
-                    .bind(id)
-                    .bind(reason)
-                    .bind(after(*retry_in))
-                    .execute(&mut *conn)
-                    .await?;
-            }
-            EventOutcome::Dead { reason } => {
-                sqlx::query(queries.kill.clone())
-                    .bind(id)
-                    .bind(reason)
-                    .bind(now)
-                    .execute(&mut *conn)
-                    .await?;
-            }
-        }
-    }
-    if !published.is_empty() {
-        sqlx::query(queries.publish.clone())
-            .bind(now)
-            .bind(json!(published).to_string())
-            .execute(&mut *conn)
-            .await?;
-    }
-    if !released.is_empty() {
-        sqlx::query(queries.release.clone())
-            .bind(json!(released).to_string())
-            .execute(&mut *conn)
-            .await?;
-    }
-    for d in &outcomes.deliveries {
-        let upsert = |attempts: u32, error: Option<&String>, at: i64, dead: Option<i64>| {
-            sqlx::query(queries.upsert_delivery.clone())
-                .bind(d.event_id)
-                .bind(d.subscriber.clone())
-                .bind(d.aggregate_id)
-                .bind(i64::from(attempts))
-                .bind(error.cloned())
-                .bind(at)
-                .bind(dead)
-        };
-        let query = match &d.outcome {
-            DeliveryOutcome::Delivered => sqlx::query(queries.delete_delivery.clone())
-                .bind(d.subscriber.clone())
-                .bind(d.event_id),
-            DeliveryOutcome::Released => sqlx::query(queries.release_delivery.clone())
-                .bind(d.subscriber.clone())
-                .bind(d.event_id),
-            DeliveryOutcome::Waiting => upsert(0, None, now, None),
-            DeliveryOutcome::Retry {
-                attempts,
-                error,
-                retry_in,
-            } => upsert(*attempts, Some(error), after(*retry_in), None),
-            DeliveryOutcome::Dead { attempts, error } => {
-                upsert(*attempts, Some(error), now, Some(now))
-            }
-        };
-        query.execute(&mut *conn).await?;
-    }
-    Ok(())
 }
 
 fn count(value: i64) -> u32 {

@@ -305,8 +305,7 @@ async fn prefill(pool: &PgPool, events: u64) {
         .unwrap();
 }
 
-/// A store that counts the relay's transactions: each claim, each record, and each record with
-/// the next claim is one commit (the PostgreSQL store does the last in one transaction).
+/// A store that counts the relay's transactions: each claim and each record is one commit.
 struct Counting<S> {
     inner: S,
     commits: Arc<AtomicU64>,
@@ -321,16 +320,6 @@ impl<S: Store> Store for Counting<S> {
     async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.inner.record(outcomes).await
-    }
-
-    async fn record_and_claim(
-        &self,
-        outcomes: &Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> (Result<(), StoreError>, Result<Vec<Claim>, StoreError>) {
-        self.commits.fetch_add(1, Ordering::Relaxed);
-        self.inner.record_and_claim(outcomes, limit, lease).await
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {

@@ -368,22 +368,6 @@ impl<S: Store> Store for WatchedStore<S> {
         self.inner.record(outcomes).await
     }
 
-    async fn record_and_claim(
-        &self,
-        outcomes: &outbox_core::store::Outcomes,
-        limit: u32,
-        lease: Duration,
-    ) -> (
-        Result<(), outbox_core::StoreError>,
-        Result<Vec<outbox_core::store::Claim>, outbox_core::StoreError>,
-    ) {
-        let (recorded, claimed) = self.inner.record_and_claim(outcomes, limit, lease).await;
-        if claimed.as_ref().is_ok_and(Vec::is_empty) {
-            self.idle.notify_one();
-        }
-        (recorded, claimed)
-    }
-
     async fn requeue(
         &self,
         which: &outbox_core::store::Requeue,

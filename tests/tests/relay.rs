@@ -5,8 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::store::{EventOutcome, Outcomes, Requeue};
-use outbox_core::{Relay, RelayConfig, RetryPolicy, Router, Store};
+use outbox_core::store::Requeue;
+use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
@@ -33,7 +33,6 @@ on_both_backends!(
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
     graceful_shutdown_records_the_batch_in_progress,
     a_commit_in_this_process_wakes_an_idle_relay,
-    recording_with_the_next_claim_frees_the_aggregate_at_once,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -673,56 +672,4 @@ async fn a_commit_in_this_process_wakes_an_idle_relay<B: TestBackend>() {
     publish_one(&outbox, a, 1).await;
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
     worker.abort();
-}
-
-/// The running relay records a batch together with the next claim: the claim sees the recorded
-/// batch finished, so the aggregate's next event comes in the same round, not one later. (That
-/// the stores do it in one commit shows in the benchmark's relay commits per 100 events.)
-async fn recording_with_the_next_claim_frees_the_aggregate_at_once<B: TestBackend>() {
-    let (_db, outbox) = setup::<B>().await;
-    let a = Uuid::new_v4();
-    publish(
-        &outbox,
-        &[
-            Ping {
-                aggregate: a,
-                seq: 1,
-            },
-            Ping {
-                aggregate: a,
-                seq: 2,
-            },
-        ],
-    )
-    .await;
-    let store = outbox.store();
-    let lease = Duration::from_secs(30);
-    let first = store.claim(1, lease).await.unwrap();
-    assert_eq!(first.len(), 1, "a batch of one: {first:?}");
-    let first_id = first[0].event().id;
-    assert!(
-        store.claim(10, lease).await.unwrap().is_empty(),
-        "the second event waits while the first is claimed"
-    );
-    let outcomes = Outcomes {
-        events: vec![(first_id, EventOutcome::Published)],
-        deliveries: Vec::new(),
-    };
-    let (recorded, claimed) = store.record_and_claim(&outcomes, 10, lease).await;
-    recorded.unwrap();
-    let claimed = claimed.unwrap();
-    assert_eq!(
-        claimed.iter().map(|c| c.event().id).collect::<Vec<_>>(),
-        [first_id + 1],
-        "the claim saw the first event recorded"
-    );
-    let events = B::events(outbox.pool()).await;
-    assert!(events.iter().find(|e| e.id == first_id).unwrap().published);
-    assert!(
-        !events
-            .iter()
-            .find(|e| e.id == first_id + 1)
-            .unwrap()
-            .published
-    );
 }
