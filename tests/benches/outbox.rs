@@ -460,7 +460,11 @@ fn spawn_producers(
             let (outbox, ids, meter, stop) =
                 (outbox.clone(), ids.to_vec(), meter.clone(), stop.clone());
             tokio::spawn(async move {
-                let mut ticker = tokio::time::interval(interval);
+                // Staggered starts: the tasks together make an even stream, not a burst of one
+                // event per task every interval.
+                let offset = interval.mul_f64(f64::from(task) / f64::from(tasks));
+                let mut ticker =
+                    tokio::time::interval_at(tokio::time::Instant::now() + offset, interval);
                 ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
                 let mut seq = u64::from(task) * 1_000_000_000;
                 while !stop.load(Ordering::Relaxed) {
