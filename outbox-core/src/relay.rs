@@ -465,25 +465,22 @@ impl<S: Store, R: Router> Relay<S, R> {
         let now = Instant::now();
         let retention = self.config.retention.as_ref();
         // Each due chore is pushed back before it runs, so that another `run` does not do it too.
-        let (status_due, purge_due) = {
+        let (status_due, purge) = {
             let mut chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
             let status_due = now >= chores.next_status;
             if status_due {
                 chores.next_status = now + self.config.status_interval;
             }
-            let purge_due = retention.is_some_and(|r| {
-                let due = now >= chores.next_purge;
-                if due {
-                    chores.next_purge = now + r.interval;
-                }
-                due
-            });
-            (status_due, purge_due)
+            let purge = retention.filter(|_| now >= chores.next_purge);
+            if let Some(retention) = purge {
+                chores.next_purge = now + retention.interval;
+            }
+            (status_due, purge)
         };
         if status_due && let Err(error) = self.report_status().await {
             tracing::warn!(%error, "outbox relay cannot read the store's status");
         }
-        if let Some(retention) = retention.filter(|_| purge_due) {
+        if let Some(retention) = purge {
             match self
                 .store
                 .purge_published(retention.keep, retention.batch_size)
