@@ -65,6 +65,9 @@ pub trait TestBackend: Backend + Sized {
     /// `"postgres"` or `"sqlite"`.
     const NAME: &'static str;
 
+    /// The version of this backend's last migration in this build.
+    const LATEST_MIGRATION: i32;
+
     /// A fresh, empty database and a pool on it.
     fn fresh() -> impl Future<Output = (Self::Guard, Pool<Self>)> + Send;
 
@@ -127,6 +130,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
+    const LATEST_MIGRATION: i32 = 4;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
@@ -278,6 +282,7 @@ pub struct SqliteFile {
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
+    const LATEST_MIGRATION: i32 = 3;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
         let dir = tempfile::tempdir().expect("a temporary directory");
