@@ -377,8 +377,9 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Runs until `shutdown` resolves, then returns after the batch in progress is recorded.
     ///
-    /// The outcomes of one batch are recorded while the next batch is claimed (the claim of the
-    /// recorded batch still holds its aggregates' later events back, so order is kept).
+    /// The outcomes of one batch are recorded while the next batch is claimed and delivered
+    /// (until its outcomes are recorded, the claim of a batch holds its aggregates' later events
+    /// back, so order is kept).
     ///
     /// Store errors (a lost connection, a restarting database) are logged and retried with
     /// exponential backoff; they never end the loop.
@@ -396,17 +397,20 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             self.do_chores().await;
             let recording = unrecorded.is_some();
-            let claimed = match unrecorded.take() {
-                None => self.claim().await,
-                Some(outcomes) => {
-                    let ((), claimed) = tokio::join!(self.record_or_log(&outcomes), self.claim());
-                    claimed
+            let next = async {
+                match self.claim().await {
+                    Ok(claims) if !claims.is_empty() => Ok(Some(self.deliver(claims).await)),
+                    Ok(_) => Ok(None),
+                    Err(error) => Err(error),
                 }
             };
-            match claimed {
-                Ok(claims) if !claims.is_empty() => {
+            let delivered = match unrecorded.take() {
+                None => next.await,
+                Some(outcomes) => tokio::join!(self.record_or_log(&outcomes), next).1,
+            };
+            match delivered {
+                Ok(Some((report, outcomes))) => {
                     backoff = Duration::ZERO;
-                    let (report, outcomes) = self.deliver(claims).await;
                     if report.made_progress() {
                         unrecorded = Some(outcomes);
                         continue;
@@ -418,8 +422,8 @@ impl<S: Store, R: Router> Relay<S, R> {
                     }
                 }
                 // The batch just recorded may have held events back: look again at once.
-                Ok(_) if recording => backoff = Duration::ZERO,
-                Ok(_) => {
+                Ok(None) if recording => backoff = Duration::ZERO,
+                Ok(None) => {
                     backoff = Duration::ZERO;
                     if self.idle(&mut shutdown).await {
                         return;
