@@ -353,14 +353,16 @@ async fn drain(events: u64) -> ([f64; 3], f64) {
         commits: Arc::default(),
     };
     let commits = store.commits.clone();
-    let relay = Relay::new(
-        store,
-        Bench {
-            ledger: Ledger(meter.clone()),
-        },
-        RelayConfig::default().with_batch_size(500),
-    )
-    .unwrap();
+    let relay = Arc::new(
+        Relay::new(
+            store,
+            Bench {
+                ledger: Ledger(meter.clone()),
+            },
+            RelayConfig::default().with_batch_size(500),
+        )
+        .unwrap(),
+    );
     let (mut time, mut done) = ([Duration::ZERO; 3], [0_u64; 3]);
     let mut mode = 0;
     loop {
@@ -370,25 +372,38 @@ async fn drain(events: u64) -> ([f64; 3], f64) {
             // before returning.
             let before = meter.delivered.load(Ordering::Relaxed);
             let rest = events - done[1] - done[2];
-            relay
-                .run(async {
-                    while start.elapsed() < SLICE && meter.delivered.load(Ordering::Relaxed) < rest
-                    {
-                        tokio::time::sleep(Duration::from_millis(1)).await;
-                    }
-                })
-                .await;
-            meter.delivered.load(Ordering::Relaxed) - before
+            // Ours and raw each run in a spawned task, as a service runs its relay: on a
+            // runtime worker, which drives the sockets itself, not on the main thread.
+            let (relay, meter) = (relay.clone(), meter.clone());
+            tokio::spawn(async move {
+                relay
+                    .run(async {
+                        while start.elapsed() < SLICE
+                            && meter.delivered.load(Ordering::Relaxed) < rest
+                        {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    })
+                    .await;
+                meter.delivered.load(Ordering::Relaxed) - before
+            })
+            .await
+            .unwrap()
         } else {
-            let mut delivered = 0;
-            while start.elapsed() < SLICE {
-                let n = raw_batch(&pool, mode == 2).await;
-                if n == 0 {
-                    break;
+            let (pool, asynchronous) = (pool.clone(), mode == 2);
+            tokio::spawn(async move {
+                let mut delivered = 0;
+                while start.elapsed() < SLICE {
+                    let n = raw_batch(&pool, asynchronous).await;
+                    if n == 0 {
+                        break;
+                    }
+                    delivered += n;
                 }
-                delivered += n;
-            }
-            delivered
+                delivered
+            })
+            .await
+            .unwrap()
         };
         time[mode] += start.elapsed();
         done[mode] += delivered;
