@@ -87,6 +87,17 @@ pub enum DecodeError {
         event_type: String,
     },
 
+    /// Decoding panicked: a `Deserialize` implementation or an upcaster of the event has a bug.
+    /// The relay catches the panic and makes the event a dead letter, as a payload that can
+    /// never be decoded by this code.
+    #[error("decoding `{event_type}` panicked: {message}")]
+    Panicked {
+        /// The stored event type.
+        event_type: String,
+        /// The panic's message.
+        message: String,
+    },
+
     /// An upcaster returned an error.
     #[error("upcasting `{event_type}` from version {from} failed: {source}")]
     UpcastFailed {
@@ -150,15 +161,43 @@ pub enum ConfigError {
     },
 }
 
-/// A store could not do what the relay or an operator asked; the relay logs it and tries again
-/// with backoff.
+/// A store could not do what the relay or an operator asked; the relay logs it and tries again.
+///
+/// A store says when the error was the loss of one connection (closed, reset, or ended by the
+/// server): the relay then tries again at once, on a new connection, instead of backing off as
+/// it does for a store that stays unreachable.
 #[derive(Debug, thiserror::Error)]
-#[error("outbox store failed: {0}")]
-pub struct StoreError(#[source] pub BoxError);
+#[error("outbox store failed: {error}")]
+pub struct StoreError {
+    #[source]
+    error: BoxError,
+    connection_lost: bool,
+}
 
 impl StoreError {
     /// Wraps any error.
     pub fn new(error: impl Into<BoxError>) -> Self {
-        Self(error.into())
+        Self {
+            error: error.into(),
+            connection_lost: false,
+        }
+    }
+
+    /// Wraps the error of a connection that broke: another connection may work at once.
+    pub fn connection_lost(error: impl Into<BoxError>) -> Self {
+        Self {
+            error: error.into(),
+            connection_lost: true,
+        }
+    }
+
+    /// Whether one connection broke, rather than the store failing.
+    pub fn is_connection_lost(&self) -> bool {
+        self.connection_lost
+    }
+
+    /// The underlying error.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.error
     }
 }

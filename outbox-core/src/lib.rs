@@ -79,7 +79,7 @@ pub use routing::{
     Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, RoutedBy, Router, Routes,
     Subscriber,
 };
-pub use store::{Status, Store, StoredEvent};
+pub use store::{ClaimToken, Status, Store, StoredEvent};
 
 /// Derives [`OutboxEvent`](trait@OutboxEvent) for a struct with named fields.
 ///

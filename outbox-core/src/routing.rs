@@ -12,7 +12,7 @@ use std::pin::Pin;
 use crate::envelope::{Metadata, RawEnvelope};
 use crate::error::DecodeError;
 use crate::event::{BoxError, OutboxEvent};
-use crate::store::StoredEvent;
+use crate::store::{ClaimToken, StoredEvent};
 
 /// The application's routing table, as the relay sees it.
 ///
@@ -73,14 +73,27 @@ impl fmt::Debug for Decoded {
     }
 }
 
-/// What a handler knows about the delivery it is running: the stored event, its metadata, and
-/// which attempt this is.
+/// What a handler knows about the delivery it is running: the stored event, its metadata, which
+/// attempt this is, and the claim it runs under.
+///
+/// # Fencing a handler's own writes
+///
+/// Delivery is at least once, and ordered per (subscriber, aggregate) as long as relays are
+/// healthy. A relay whose process stalls *inside* a handler (a pause, a blocked thread) past its
+/// lease loses its claim to another relay, which delivers the event and its successors again;
+/// when the stalled handler resumes, its late effect can land after the new owner's. The relay
+/// records nothing of a lost claim and starts no further handler for it, but it cannot recall a
+/// call already under way. A handler that writes to the outbox's own database can exclude even
+/// that: in the transaction of its write, it locks the claim it runs under, and writes only if
+/// the claim is still live. `outbox-sqlx` does this for you: `Outbox::hold_claim`.
 #[derive(Debug)]
 pub struct Delivery<'a> {
     pub(crate) event: &'a StoredEvent,
     pub(crate) metadata: &'a Metadata,
     pub(crate) subscriber: &'a str,
     pub(crate) attempt: u32,
+    pub(crate) claim: Option<ClaimToken>,
+    pub(crate) expired_claims: u32,
 }
 
 impl<'a> Delivery<'a> {
@@ -96,7 +109,18 @@ impl<'a> Delivery<'a> {
             metadata,
             subscriber,
             attempt,
+            claim: None,
+            expired_claims: 0,
         }
+    }
+
+    /// This delivery, running under the claim `token`, after `expired_claims` earlier claims of
+    /// it expired unrecorded.
+    #[must_use]
+    pub fn with_claim(mut self, token: ClaimToken, expired_claims: u32) -> Self {
+        self.claim = Some(token);
+        self.expired_claims = expired_claims;
+        self
     }
 
     /// The stored event: id, aggregate, event type, raw payload, occurred-at.
@@ -114,9 +138,30 @@ impl<'a> Delivery<'a> {
         self.subscriber
     }
 
-    /// Which attempt this is, from 1.
+    /// Which attempt this is, from 1: failed attempts so far, plus one. A redelivery after an
+    /// expired claim is not a failed attempt; see [`expired_claims`](Self::expired_claims).
     pub fn attempt(&self) -> u32 {
         self.attempt
+    }
+
+    /// The claim this delivery runs under; `None` outside a relay (as in the test kit's
+    /// `TestDelivery`). See [fencing](Self#fencing-a-handlers-own-writes).
+    pub fn claim_token(&self) -> Option<ClaimToken> {
+        self.claim
+    }
+
+    /// How many earlier claims of this event (for this subscriber) expired before their
+    /// outcomes were recorded: their relay died or stalled, maybe after calling this handler.
+    pub fn expired_claims(&self) -> u32 {
+        self.expired_claims
+    }
+
+    /// Whether this handler may have been called for this event before: an earlier attempt
+    /// failed (its effect may have happened anyway, as with a timeout), or an earlier claim of
+    /// it expired unrecorded. An idempotent handler need not care; one that counts or charges
+    /// can check.
+    pub fn is_redelivery(&self) -> bool {
+        self.attempt > 1 || self.expired_claims > 0
     }
 }
 

@@ -39,6 +39,91 @@ pub struct StoredEvent {
     pub occurred_at: OffsetDateTime,
 }
 
+/// The identity of one claim: the lease a relay holds over a batch of events and deliveries.
+///
+/// A store hands out a new token with every batch ([`Store::claim`]); renewals
+/// ([`Store::renew`]) and outcomes ([`Store::record`]) name it, and the store applies them only
+/// while that claim is still the live owner of its work: a relay that stalled past its lease and
+/// lost the batch to another relay can record nothing over the other relay's work.
+///
+/// Handlers see the token of the claim they run under
+/// ([`Delivery::claim_token`](crate::Delivery::claim_token)), so that a handler writing to the
+/// outbox's own database can fence its writes the same way.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ClaimToken(i64);
+
+impl ClaimToken {
+    /// A token with the store's own id for the claim.
+    pub fn new(id: i64) -> Self {
+        Self(id)
+    }
+
+    /// The store's id for the claim (the id of its row in the `<table>_claims` table of the SQL
+    /// stores).
+    pub fn get(self) -> i64 {
+        self.0
+    }
+}
+
+impl std::fmt::Display for ClaimToken {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.0.fmt(f)
+    }
+}
+
+/// What one call of [`Store::claim`] returned: the work of one claim, under one token.
+#[derive(Debug, Clone, PartialEq)]
+#[non_exhaustive]
+pub struct Batch {
+    /// The claim's token. Meaningless when `claims` is empty: no claim was made then.
+    pub token: ClaimToken,
+    /// The claimed events and deliveries, in [`Claim::order_key`] order.
+    pub claims: Vec<Claim>,
+    /// The store set events aside this time (events held back behind an earlier event of their
+    /// aggregate, which later claims need not look at again) and may find more work if asked
+    /// again at once.
+    pub more: bool,
+}
+
+impl Batch {
+    /// The claims of `token`.
+    pub fn new(token: ClaimToken, claims: Vec<Claim>) -> Self {
+        Self {
+            token,
+            claims,
+            more: false,
+        }
+    }
+
+    /// No work.
+    pub fn empty() -> Self {
+        Self::new(ClaimToken(0), Vec::new())
+    }
+
+    /// Says whether the store may find more work if asked again at once.
+    #[must_use]
+    pub fn with_more(mut self, more: bool) -> Self {
+        self.more = more;
+        self
+    }
+
+    /// Whether nothing was claimed.
+    pub fn is_empty(&self) -> bool {
+        self.claims.is_empty()
+    }
+}
+
+/// Whether [`Store::record`] applied a batch's outcomes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[must_use]
+pub enum Recorded {
+    /// The claim was still live: its outcomes are recorded and the claim is over.
+    Applied,
+    /// The claim had expired (and its work may belong to another relay by now): nothing was
+    /// recorded. The work is claimed and delivered again, which at-least-once allows.
+    Lost,
+}
+
 /// One unit of work handed to a relay.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Claim {
@@ -48,6 +133,9 @@ pub enum Claim {
         event: StoredEvent,
         /// How many times it was parked before.
         parked: u32,
+        /// How many earlier claims of it expired before their outcomes were recorded: a relay
+        /// may have handed it to some subscribers already.
+        expired: u32,
         /// Subscribers that still hold an undelivered earlier event of the same aggregate: they
         /// must not get this one before that one.
         blocked: Vec<String>,
@@ -60,14 +148,37 @@ pub enum Claim {
         subscriber: String,
         /// Failed attempts so far.
         attempts: u32,
+        /// How many earlier claims of this delivery expired before their outcomes were recorded.
+        expired: u32,
+    },
+    /// A stored event the store cannot read into a [`StoredEvent`] (a value written by other
+    /// SQL that this build cannot map, such as a timestamp out of range): it is dead-lettered
+    /// alone, with `reason`.
+    Unreadable {
+        /// The event's id.
+        id: i64,
+        /// Its aggregate, when that much could be read; `None` holds back every later event of
+        /// the batch, since any of them could be of the same aggregate.
+        aggregate: Option<(String, Uuid)>,
+        /// What could not be read.
+        reason: String,
     },
 }
 
 impl Claim {
-    /// The event claimed.
-    pub fn event(&self) -> &StoredEvent {
+    /// The event claimed, unless it could not be read.
+    pub fn event(&self) -> Option<&StoredEvent> {
         match self {
-            Claim::Event { event, .. } | Claim::Delivery { event, .. } => event,
+            Claim::Event { event, .. } | Claim::Delivery { event, .. } => Some(event),
+            Claim::Unreadable { .. } => None,
+        }
+    }
+
+    /// The id of the event claimed.
+    pub fn event_id(&self) -> i64 {
+        match self {
+            Claim::Event { event, .. } | Claim::Delivery { event, .. } => event.id,
+            Claim::Unreadable { id, .. } => *id,
         }
     }
 
@@ -75,6 +186,7 @@ impl Claim {
     pub fn order_key(&self) -> (i64, Option<&str>) {
         match self {
             Claim::Event { event, .. } => (event.id, None),
+            Claim::Unreadable { id, .. } => (*id, None),
             Claim::Delivery {
                 event, subscriber, ..
             } => (event.id, Some(subscriber)),
@@ -108,7 +220,9 @@ pub enum EventOutcome {
 pub enum DeliveryOutcome {
     /// The subscriber handled it: the delivery is done.
     Delivered,
-    /// Not attempted: an earlier event of the same aggregate is still pending for this subscriber.
+    /// Not attempted: an earlier event of the same aggregate is still pending for this subscriber,
+    /// or the batch's lease ran short before this handler could start. Due at once, no attempt
+    /// counted.
     Waiting,
     /// Attempt it again after `retry_in`.
     Retry {
@@ -145,7 +259,10 @@ pub struct Outcomes {
 pub struct DeliveryRecord {
     /// The event.
     pub event_id: i64,
-    /// Its aggregate, which orders the subscriber's deliveries.
+    /// The type of its aggregate: with `aggregate_id`, the key that orders the subscriber's
+    /// deliveries.
+    pub aggregate_type: String,
+    /// Its aggregate.
     pub aggregate_id: Uuid,
     /// The subscriber.
     pub subscriber: String,
@@ -193,6 +310,13 @@ pub struct Status {
     /// (subscriber, aggregate) pairs with an undelivered delivery, dead or not: later events of
     /// that aggregate wait for that subscriber.
     pub blocked_keys: u64,
+    /// Aggregates held back for every subscriber: they have a dead or parked event, or events
+    /// set aside behind one (or behind a claim that has lasted, such as that of a relay that
+    /// died). Their later events wait; other aggregates' events flow.
+    pub blocked_aggregates: u64,
+    /// Events set aside behind an earlier event of their aggregate (included in
+    /// `pending_events`).
+    pub held_events: u64,
 }
 
 impl Status {
@@ -202,25 +326,45 @@ impl Status {
     }
 }
 
-/// The relay's view of a database: claim work, record what happened, requeue dead letters.
+/// The relay's view of a database: claim work, renew and record claims, requeue dead letters.
 ///
-/// Implemented by the PostgreSQL and SQLite stores of `outbox-sqlx`.
+/// Implemented by the PostgreSQL and SQLite stores of `outbox-sqlx` and by the test kit's
+/// `MemoryStore`, which is the reference: `tests/tests/interleavings.rs` checks all three
+/// against the same scenarios.
+///
+/// An aggregate is identified by its type *and* id: two aggregates of different types that share
+/// an id are independent.
 pub trait Store: Send + Sync + 'static {
-    /// Claims up to `limit` pending events and up to `limit` due deliveries for `lease`.
+    /// Claims up to `limit` pending events and up to `limit` due deliveries for `lease`, under a
+    /// new [`ClaimToken`]. The lease runs from when the store grants the claim.
     ///
-    /// A store must return only work that is due and not dead, claimed by nobody else (or whose
-    /// claim expired), and whose aggregate has no earlier unfinished work elsewhere: pending
-    /// events whose aggregate has no earlier pending event outside this batch, and deliveries
-    /// that are the earliest undelivered one of their (subscriber, aggregate). Claims come in
-    /// event id order.
+    /// A store must return only work that is due and not dead, claimed by no live claim, and
+    /// whose aggregate has no earlier unfinished work elsewhere: pending events whose aggregate
+    /// has no earlier unpublished event outside this batch, and deliveries that are the earliest
+    /// undelivered one of their (subscriber, aggregate). Events held back that way must cost a
+    /// claim a bounded amount of work and must never hide other aggregates' events. Claims come
+    /// in event id order.
     fn claim(
         &self,
         limit: u32,
         lease: Duration,
-    ) -> impl Future<Output = Result<Vec<Claim>, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Batch, StoreError>> + Send;
 
-    /// Records the outcomes of a batch, atomically.
-    fn record(&self, outcomes: &Outcomes) -> impl Future<Output = Result<(), StoreError>> + Send;
+    /// Extends the claim `token` to `lease` from now, if it is still live; false when it is
+    /// not (it expired, and its work may belong to another claim by now).
+    fn renew(
+        &self,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, StoreError>> + Send;
+
+    /// Records the outcomes of the batch claimed as `token`, atomically, and ends the claim;
+    /// records nothing and returns [`Recorded::Lost`] when the claim is no longer live.
+    fn record(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+    ) -> impl Future<Output = Result<Recorded, StoreError>> + Send;
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     fn requeue(&self, which: &Requeue) -> impl Future<Output = Result<u64, StoreError>> + Send;

@@ -15,6 +15,9 @@
 //! | `outbox_events_dead_letter_count` | gauge | | dead events and dead deliveries, waiting for an operator |
 //! | `outbox_events_oldest_pending_age_seconds` | gauge | | how long ago the oldest pending event occurred (0 when none) |
 //! | `outbox_blocked_keys_count` | gauge | | (subscriber, aggregate) pairs whose later events wait behind an undelivered one |
+//! | `outbox_blocked_aggregates_count` | gauge | | aggregates held back for every subscriber, behind a dead or parked event or a claim that lasted |
+//! | `outbox_held_events_count` | gauge | | events set aside behind an earlier event of their aggregate |
+//! | `outbox_claims_lost_total` | counter | | batches whose claim expired before the relay recorded them (a relay that stalled past its lease): their outcomes were dropped and the work is delivered again |
 //!
 //! Counters and the histogram are recorded as deliveries happen. Gauges come from the store
 //! ([`Store::status`](crate::Store::status)), read by each running relay every
@@ -62,6 +65,12 @@ pub const DEAD_LETTER_COUNT: &str = "outbox_events_dead_letter_count";
 pub const OLDEST_PENDING_AGE_SECONDS: &str = "outbox_events_oldest_pending_age_seconds";
 /// (subscriber, aggregate) pairs held back by an undelivered event.
 pub const BLOCKED_KEYS_COUNT: &str = "outbox_blocked_keys_count";
+/// Aggregates held back for every subscriber.
+pub const BLOCKED_AGGREGATES_COUNT: &str = "outbox_blocked_aggregates_count";
+/// Events set aside behind an earlier event of their aggregate.
+pub const HELD_EVENTS_COUNT: &str = "outbox_held_events_count";
+/// Batches whose claim was lost before they were recorded.
+pub const CLAIMS_LOST_TOTAL: &str = "outbox_claims_lost_total";
 
 /// `status` label values of [`DISPATCHED_TOTAL`].
 pub mod status {
@@ -112,6 +121,25 @@ pub(crate) fn describe() {
         Unit::Count,
         "(subscriber, aggregate) pairs held back by an undelivered outbox event"
     );
+    describe_gauge!(
+        BLOCKED_AGGREGATES_COUNT,
+        Unit::Count,
+        "Aggregates held back for every subscriber by a dead or parked outbox event or a lasting claim"
+    );
+    describe_gauge!(
+        HELD_EVENTS_COUNT,
+        Unit::Count,
+        "Outbox events set aside behind an earlier event of their aggregate"
+    );
+    describe_counter!(
+        CLAIMS_LOST_TOTAL,
+        Unit::Count,
+        "Outbox batches whose claim expired before they were recorded; their outcomes were dropped"
+    );
+}
+
+pub(crate) fn claim_lost() {
+    counter!(CLAIMS_LOST_TOTAL).increment(1);
 }
 
 pub(crate) fn dispatched(event_type: &str, status: &'static str) {
@@ -134,6 +162,8 @@ pub(crate) fn report(status: &Status) {
             .map_or(0.0, |age| age.as_secs_f64()),
     );
     gauge!(BLOCKED_KEYS_COUNT).set(status.blocked_keys as f64);
+    gauge!(BLOCKED_AGGREGATES_COUNT).set(status.blocked_aggregates as f64);
+    gauge!(HELD_EVENTS_COUNT).set(status.held_events as f64);
 }
 
 #[cfg(feature = "opentelemetry")]

@@ -77,7 +77,8 @@ use crate::publish::Publish;
 use crate::relay::{BatchReport, Relay};
 use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
 use crate::store::{
-    Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status, Store, StoredEvent,
+    self, Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status,
+    Store, StoredEvent,
 };
 
 /// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
@@ -379,28 +380,71 @@ struct EventRow {
     event: MemoryEvent,
     published_at: Option<OffsetDateTime>,
     next_retry_at: Option<OffsetDateTime>,
-    claimed_until: Option<OffsetDateTime>,
+    /// The claim holding it, if any (live or expired).
+    claim: Option<i64>,
+    expired_claims: u32,
 }
 
 #[derive(Debug)]
 struct DeliveryRow {
     delivery: MemoryDelivery,
+    aggregate_type: String,
     aggregate_id: Uuid,
-    claimed_until: Option<OffsetDateTime>,
+    claim: Option<i64>,
+    expired_claims: u32,
 }
 
 #[derive(Debug, Default)]
 struct State {
     next_id: i64,
+    next_claim: i64,
     events: BTreeMap<i64, EventRow>,
     /// Keyed by (event id, subscriber): iteration is in event id order.
     deliveries: BTreeMap<(i64, String), DeliveryRow>,
+    /// Claims by token, with the end of their lease.
+    claims: BTreeMap<i64, OffsetDateTime>,
+}
+
+impl State {
+    /// Ends the claims whose lease is over: their work is free again, and counts the expiry.
+    fn expire(&mut self, now: OffsetDateTime) {
+        let expired: BTreeSet<i64> = self
+            .claims
+            .iter()
+            .filter(|(_, until)| **until < now)
+            .map(|(token, _)| *token)
+            .collect();
+        if expired.is_empty() {
+            return;
+        }
+        self.claims.retain(|token, _| !expired.contains(token));
+        for row in self.events.values_mut() {
+            if row.claim.is_some_and(|c| expired.contains(&c)) {
+                row.claim = None;
+                row.expired_claims += 1;
+            }
+        }
+        for row in self.deliveries.values_mut() {
+            if row.claim.is_some_and(|c| expired.contains(&c)) {
+                row.claim = None;
+                row.expired_claims += 1;
+            }
+        }
+    }
+
+    fn is_live(&self, token: i64, now: OffsetDateTime) -> bool {
+        self.claims.get(&token).is_some_and(|until| *until >= now)
+    }
 }
 
 /// A [`Store`] in memory, with the same semantics as the database stores, on a [`ManualClock`].
 ///
 /// Committed events go in with [`commit`](Self::commit) or [`publish`](Self::publish). Cheap to
 /// clone; clones share the data.
+///
+/// It keeps the rules the SQL stores keep (claims are leases with tokens, outcomes count only
+/// under a live claim, order per (subscriber, aggregate), an aggregate being its type and id),
+/// without their concern for cost: it looks at every row on every claim.
 #[derive(Debug, Clone, Default)]
 pub struct MemoryStore {
     state: Arc<Mutex<State>>,
@@ -453,7 +497,8 @@ impl MemoryStore {
                     },
                     published_at: None,
                     next_retry_at: None,
-                    claimed_until: None,
+                    claim: None,
+                    expired_claims: 0,
                 },
             );
         }
@@ -494,61 +539,66 @@ impl MemoryStore {
     }
 }
 
-fn expired(claimed_until: Option<OffsetDateTime>, now: OffsetDateTime) -> bool {
-    claimed_until.is_none_or(|until| until < now)
-}
-
 fn after(now: OffsetDateTime, delay: Duration) -> OffsetDateTime {
     now.saturating_add(time::Duration::try_from(delay).unwrap_or(time::Duration::MAX))
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Vec<Claim>, StoreError> {
+    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
         let now = self.clock.now();
-        let until = after(now, lease);
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         let mut state = lock(&self.state);
         let state = &mut *state;
+        state.expire(now);
+        let token = state.next_claim + 1;
 
-        let candidates: Vec<(i64, Uuid)> = state
-            .events
-            .values()
-            .filter(|row| {
-                !row.event.published
-                    && !row.event.dead
-                    && row.next_retry_at.is_none_or(|at| at <= now)
-                    && expired(row.claimed_until, now)
-            })
-            .take(limit)
-            .map(|row| (row.event.stored.id, row.event.stored.aggregate_id))
-            .collect();
-        let candidate_ids: BTreeSet<i64> = candidates.iter().map(|c| c.0).collect();
-        let mut claims = Vec::new();
-        for (id, aggregate) in candidates {
-            let held_back = state.events.values().any(|e| {
-                e.event.stored.aggregate_id == aggregate
-                    && e.event.stored.id < id
-                    && !e.event.published
-                    && !candidate_ids.contains(&e.event.stored.id)
-            });
-            if held_back {
+        // Events in id order; an aggregate with an unfinished event not taken into this batch
+        // (dead, parked, claimed elsewhere, or left out by the limit) holds its later ones back.
+        let mut held: BTreeSet<(String, Uuid)> = BTreeSet::new();
+        let mut taken = Vec::new();
+        for row in state.events.values() {
+            if row.event.published {
                 continue;
             }
+            let stored = &row.event.stored;
+            let key = (stored.aggregate_type.clone(), stored.aggregate_id);
+            if held.contains(&key) {
+                continue;
+            }
+            let free = !row.event.dead
+                && row.next_retry_at.is_none_or(|at| at <= now)
+                && row.claim.is_none()
+                && taken.len() < limit;
+            if free {
+                taken.push(stored.id);
+            } else {
+                held.insert(key);
+            }
+        }
+        let mut claims = Vec::new();
+        for id in taken {
+            let Some(row) = state.events.get(&id) else {
+                continue;
+            };
+            let stored = &row.event.stored;
             let blocked: BTreeSet<String> = state
                 .deliveries
                 .values()
-                .filter(|d| d.aggregate_id == aggregate)
+                .filter(|d| {
+                    d.aggregate_id == stored.aggregate_id
+                        && d.aggregate_type == stored.aggregate_type
+                })
                 .map(|d| d.delivery.subscriber.clone())
                 .collect();
-            let Some(row) = state.events.get_mut(&id) else {
-                continue;
-            };
-            row.claimed_until = Some(until);
             claims.push(Claim::Event {
-                event: row.event.stored.clone(),
+                event: stored.clone(),
                 parked: row.event.parked,
+                expired: row.expired_claims,
                 blocked: blocked.into_iter().collect(),
             });
+            if let Some(row) = state.events.get_mut(&id) {
+                row.claim = Some(token);
+            }
         }
 
         let due: Vec<(i64, String)> = state
@@ -557,9 +607,12 @@ impl Store for MemoryStore {
             .filter(|(key, row)| {
                 !row.delivery.dead
                     && row.delivery.next_attempt_at <= now
-                    && expired(row.claimed_until, now)
+                    && row.claim.is_none()
                     && !state.deliveries.iter().any(|(other, o)| {
-                        other.1 == key.1 && o.aggregate_id == row.aggregate_id && other.0 < key.0
+                        other.1 == key.1
+                            && o.aggregate_id == row.aggregate_id
+                            && o.aggregate_type == row.aggregate_type
+                            && other.0 < key.0
                     })
             })
             .take(limit)
@@ -572,25 +625,49 @@ impl Store for MemoryStore {
             let Some(row) = state.deliveries.get_mut(&key) else {
                 continue;
             };
-            row.claimed_until = Some(until);
+            row.claim = Some(token);
             claims.push(Claim::Delivery {
                 event,
                 subscriber: key.1,
                 attempts: row.delivery.attempts,
+                expired: row.expired_claims,
             });
         }
+        if claims.is_empty() {
+            return Ok(Batch::empty());
+        }
+        state.next_claim = token;
+        state.claims.insert(token, after(now, lease));
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(claims)
+        Ok(Batch::new(ClaimToken::new(token), claims))
     }
 
-    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+    async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {
         let now = self.clock.now();
         let mut state = lock(&self.state);
+        if !state.is_live(token.get(), now) {
+            return Ok(false);
+        }
+        state.claims.insert(token.get(), after(now, lease));
+        Ok(true)
+    }
+
+    async fn record(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+    ) -> Result<store::Recorded, StoreError> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        let token = token.get();
+        if !state.is_live(token, now) {
+            return Ok(store::Recorded::Lost);
+        }
+        state.claims.remove(&token);
         for (id, outcome) in &outcomes.events {
             let Some(row) = state.events.get_mut(id) else {
                 continue;
             };
-            row.claimed_until = None;
             match outcome {
                 EventOutcome::Published => {
                     row.event.published = true;
@@ -615,12 +692,7 @@ impl Store for MemoryStore {
                     state.deliveries.remove(&key);
                     continue;
                 }
-                DeliveryOutcome::Released => {
-                    if let Some(row) = state.deliveries.get_mut(&key) {
-                        row.claimed_until = None;
-                    }
-                    continue;
-                }
+                DeliveryOutcome::Released => continue,
                 DeliveryOutcome::Waiting => (0, None, now, false),
                 DeliveryOutcome::Retry {
                     attempts,
@@ -631,6 +703,7 @@ impl Store for MemoryStore {
                     (*attempts, Some(error.clone()), now, true)
                 }
             };
+            let expired_claims = state.deliveries.get(&key).map_or(0, |d| d.expired_claims);
             state.deliveries.insert(
                 key,
                 DeliveryRow {
@@ -642,12 +715,25 @@ impl Store for MemoryStore {
                         next_attempt_at,
                         dead,
                     },
+                    aggregate_type: record.aggregate_type.clone(),
                     aggregate_id: record.aggregate_id,
-                    claimed_until: None,
+                    claim: None,
+                    expired_claims,
                 },
             );
         }
-        Ok(())
+        // Whatever the outcomes did not mention is given back.
+        for row in state.events.values_mut() {
+            if row.claim == Some(token) {
+                row.claim = None;
+            }
+        }
+        for row in state.deliveries.values_mut() {
+            if row.claim == Some(token) {
+                row.claim = None;
+            }
+        }
+        Ok(store::Recorded::Applied)
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
@@ -659,7 +745,6 @@ impl Store for MemoryStore {
             row.delivery.attempts = 0;
             row.delivery.last_error = None;
             row.delivery.next_attempt_at = now;
-            row.claimed_until = None;
             changed += 1;
         };
         match which {
@@ -678,7 +763,6 @@ impl Store for MemoryStore {
                         row.event.parked = 0;
                         row.event.last_error = None;
                         row.next_retry_at = None;
-                        row.claimed_until = None;
                         changed += 1;
                     }
                 }
@@ -698,17 +782,28 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let state = lock(&self.state);
         let mut status = Status::default();
+        // Aggregates with a dead or parked event: their later events are held back.
+        let mut stalled: BTreeSet<(&str, Uuid)> = BTreeSet::new();
         for row in state.events.values() {
+            let stored = &row.event.stored;
+            let key = (stored.aggregate_type.as_str(), stored.aggregate_id);
             if row.event.dead {
                 status.dead_letters += 1;
+                stalled.insert(key);
             } else if !row.event.published {
                 status.pending_events += 1;
-                let age = (now - row.event.stored.occurred_at)
+                let age = (now - stored.occurred_at)
                     .try_into()
                     .unwrap_or(Duration::ZERO);
                 status.oldest_pending_age = status.oldest_pending_age.max(Some(age));
+                if stalled.contains(&key) {
+                    status.held_events += 1;
+                } else if row.next_retry_at.is_some() {
+                    stalled.insert(key);
+                }
             }
         }
+        status.blocked_aggregates = stalled.len() as u64;
         let mut keys = BTreeSet::new();
         for row in state.deliveries.values() {
             if row.delivery.dead {
@@ -716,7 +811,11 @@ impl Store for MemoryStore {
             } else {
                 status.pending_deliveries += 1;
             }
-            keys.insert((row.delivery.subscriber.as_str(), row.aggregate_id));
+            keys.insert((
+                row.delivery.subscriber.as_str(),
+                row.aggregate_type.as_str(),
+                row.aggregate_id,
+            ));
         }
         status.blocked_keys = keys.len() as u64;
         Ok(status)
@@ -759,6 +858,9 @@ pub async fn drain<S: Store, R: Router>(relay: &Relay<S, R>) -> Result<BatchRepo
     let mut total = BatchReport::default();
     loop {
         let report = relay.run_once().await?;
+        if report.more {
+            continue;
+        }
         if report.claimed == 0 || report.claimed == report.released {
             return Ok(total);
         }

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use outbox_core::store::{Claim, Outcomes, Requeue};
+use outbox_core::store::{Batch, ClaimToken, Outcomes, Recorded, Requeue};
 use sqlx::Pool;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -40,14 +40,32 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         queries: &Self::Queries,
         limit: u32,
         lease: Duration,
-    ) -> impl Future<Output = Result<Vec<Claim>, sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Batch, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn renew(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Locks the claim `token` for the rest of the transaction of `conn`, if it is live: it
+    /// cannot expire (nor its work be claimed again) before that transaction ends.
+    #[doc(hidden)]
+    fn hold_claim(
+        conn: &mut Self::Connection,
+        queries: &Self::Queries,
+        token: ClaimToken,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
     #[doc(hidden)]
     fn record(
         pool: &Pool<Self>,
         queries: &Self::Queries,
+        token: ClaimToken,
         outcomes: &Outcomes,
-    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+    ) -> impl Future<Output = Result<Recorded, sqlx::Error>> + Send;
 
     /// Deletes one batch of old published events.
     #[doc(hidden)]

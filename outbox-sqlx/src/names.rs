@@ -28,14 +28,19 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 7] = [
+const INDEXES: [&str; 12] = [
     "pending_idx",
     "aggregate_idx",
     "stalled_idx",
+    "parked_idx",
+    "held_by_idx",
+    "held_behind_idx",
+    "claim_idx",
     "deliveries_head_idx",
     "deliveries_aggregate_idx",
     "deliveries_due_idx",
     "deliveries_event_idx",
+    "deliveries_claim_idx",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
@@ -83,7 +88,6 @@ impl TableNames {
     }
 
     /// `"schema"`, quoted.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn quoted_schema(&self) -> String {
         format!("\"{}\"", self.schema)
     }
@@ -96,6 +100,8 @@ impl TableNames {
             .replace("{outbox}", &table(""))
             .replace("{deliveries}", &table("_deliveries"))
             .replace("{claims}", &table("_claims"))
+            .replace("{holds}", &table("_holds"))
+            .replace("{schema}", &self.quoted_schema())
             .replace("{skips}", &table("_skips"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));

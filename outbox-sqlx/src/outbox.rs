@@ -8,7 +8,7 @@ use crate::error::Error;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
-use outbox_core::store::{Claim, Outcomes, Requeue, Status};
+use outbox_core::store::{Batch, ClaimToken, Outcomes, Recorded, Requeue, Status};
 use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
 use sqlx::{Pool, Transaction};
 
@@ -175,7 +175,43 @@ impl<DB: Backend, R> Outbox<DB, R> {
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
-        self.store().requeue_rows(which).await
+        Ok(DB::requeue(self.pool(), self.queries(), which).await?)
+    }
+
+    /// Fences a handler's writes: locks the claim `token` (the one a delivery runs under,
+    /// [`Delivery::claim_token`](outbox_core::Delivery::claim_token)) for the rest of the
+    /// transaction of `conn`, and returns whether the claim is still live. While the lock is
+    /// held the claim cannot expire, so its work cannot go to another relay: a handler that
+    /// writes in that transaction only when this returns true writes only as the live owner of
+    /// its delivery, even if its relay stalls past the lease in the handler. On PostgreSQL the
+    /// lock also sets the transaction's `idle_in_transaction_session_timeout` to 2 s, so that a
+    /// frozen process cannot hold the claim for long.
+    ///
+    /// ```no_run
+    /// # use outbox_core::{Delivery, HandlerError};
+    /// # #[allow(dead_code)]
+    /// # async fn handle(outbox: &outbox_sqlx::Outbox<sqlx::Postgres, ()>, delivery: &Delivery<'_>)
+    /// #     -> Result<(), HandlerError> {
+    /// let mut tx = outbox.pool().begin().await?;
+    /// if let Some(token) = delivery.claim_token() {
+    ///     if !outbox.hold_claim(&mut *tx, token).await? {
+    ///         // Another relay owns this delivery now: write nothing.
+    ///         return Err(HandlerError::transient("the claim of this delivery was lost"));
+    ///     }
+    /// }
+    /// sqlx::query("UPDATE licenses SET tier = 'pro' WHERE id = $1")
+    ///     .bind(delivery.event().aggregate_id)
+    ///     .execute(&mut *tx)
+    ///     .await?;
+    /// tx.commit().await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn hold_claim(
+        &self,
+        conn: &mut DB::Connection,
+        token: ClaimToken,
+    ) -> Result<bool, Error> {
+        Ok(DB::hold_claim(conn, self.queries(), token).await?)
     }
 
     /// What each subscriber has left: pending and dead deliveries, and blocked aggregates.
@@ -245,37 +281,58 @@ impl<DB: Backend> std::fmt::Debug for SqlStore<DB> {
     }
 }
 
-impl<DB: Backend> SqlStore<DB> {
-    async fn requeue_rows(&self, which: &Requeue) -> Result<u64, Error> {
-        Ok(DB::requeue(&self.inner.pool, &self.inner.queries, which).await?)
+/// A store error, saying whether it was one connection that broke (closed, reset, or ended by
+/// the server): the relay then retries at once on a new connection instead of backing off.
+fn store_error(error: sqlx::Error) -> StoreError {
+    let lost = match &error {
+        sqlx::Error::Io(_) => true,
+        // admin_shutdown, crash_shutdown, cannot_connect_now, idle_in_transaction_session_timeout,
+        // and the connection exceptions of class 08.
+        sqlx::Error::Database(db) => db.code().is_some_and(|code| {
+            matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "25P03") || code.starts_with("08")
+        }),
+        _ => false,
+    };
+    if lost {
+        StoreError::connection_lost(error)
+    } else {
+        StoreError::new(error)
     }
 }
 
 impl<DB: Backend> Store for SqlStore<DB> {
-    async fn claim(
-        &self,
-        limit: u32,
-        lease: std::time::Duration,
-    ) -> Result<Vec<Claim>, StoreError> {
+    async fn claim(&self, limit: u32, lease: std::time::Duration) -> Result<Batch, StoreError> {
         DB::claim(&self.inner.pool, &self.inner.queries, limit, lease)
             .await
-            .map_err(StoreError::new)
+            .map_err(store_error)
     }
 
-    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
-        DB::record(&self.inner.pool, &self.inner.queries, outcomes)
+    async fn renew(
+        &self,
+        token: ClaimToken,
+        lease: std::time::Duration,
+    ) -> Result<bool, StoreError> {
+        DB::renew(&self.inner.pool, &self.inner.queries, token, lease)
             .await
-            .map_err(StoreError::new)
+            .map_err(store_error)
+    }
+
+    async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
+        DB::record(&self.inner.pool, &self.inner.queries, token, outcomes)
+            .await
+            .map_err(store_error)
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        self.requeue_rows(which).await.map_err(StoreError::new)
+        DB::requeue(&self.inner.pool, &self.inner.queries, which)
+            .await
+            .map_err(store_error)
     }
 
     async fn status(&self) -> Result<Status, StoreError> {
         DB::status(&self.inner.pool, &self.inner.queries)
             .await
-            .map_err(StoreError::new)
+            .map_err(store_error)
     }
 
     async fn purge_published(
@@ -285,7 +342,7 @@ impl<DB: Backend> Store for SqlStore<DB> {
     ) -> Result<u64, StoreError> {
         DB::purge_published(&self.inner.pool, &self.inner.queries, older_than, limit)
             .await
-            .map_err(StoreError::new)
+            .map_err(store_error)
     }
 
     async fn notified(&self) {

@@ -3,7 +3,9 @@
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
-use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status};
+use outbox_core::store::{
+    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Requeue, Status,
+};
 use std::sync::Weak;
 
 use sqlx::postgres::{PgListener, PgRow};
@@ -123,6 +125,71 @@ ALTER TABLE {claims} ALTER COLUMN event_ids SET STORAGE EXTERNAL,
     ALTER COLUMN aggregate_ids SET STORAGE EXTERNAL;
 "#,
     ),
+    (
+        5,
+        "fenced claims, events set aside behind a stuck aggregate, the aggregate type in every key",
+        r#"
+-- A claim's id is its token: renewals and outcomes name it and count only while it is live.
+-- Claims keep the type of each aggregate beside its id: an aggregate is its type and id.
+ALTER TABLE {claims} ADD COLUMN claimed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
+    ADD COLUMN aggregate_types TEXT[];
+ALTER TABLE {claims} ALTER COLUMN aggregate_types SET STORAGE EXTERNAL;
+UPDATE {claims} AS c
+SET aggregate_ids = x.aggregate_ids, aggregate_types = x.aggregate_types
+FROM (
+    SELECT c.id, array_agg(o.aggregate_id ORDER BY e.n) AS aggregate_ids,
+           array_agg(o.aggregate_type ORDER BY e.n) AS aggregate_types
+    FROM {claims} AS c
+    CROSS JOIN LATERAL unnest(c.event_ids) WITH ORDINALITY AS e(id, n)
+    JOIN {outbox} AS o ON o.id = e.id
+    GROUP BY c.id
+) AS x
+WHERE c.id = x.id;
+UPDATE {claims} SET aggregate_ids = '{}', aggregate_types = '{}' WHERE aggregate_types IS NULL;
+
+-- Events held back behind an earlier event of their aggregate are set aside, out of the relay's
+-- scan: behind a claim that lasted (`held_by`, a claim id: released when that claim is over) or
+-- behind a dead or parked event (`held_behind`, its id: released when it is published, skipped
+-- or requeued). `holds` lists the claims some events are held by.
+ALTER TABLE {outbox} ADD COLUMN held_by BIGINT,
+    ADD COLUMN held_behind BIGINT,
+    ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0,
+    ADD COLUMN payload_text TEXT;
+COMMENT ON COLUMN {outbox}.expired_claims IS
+    'claims of the event that expired before they were recorded: it may have been delivered before';
+COMMENT ON COLUMN {outbox}.payload_text IS
+    'the exact payload when JSONB cannot hold it (a \u0000 in a string); payload then has U+FFFD';
+CREATE TABLE {holds} (claim_id BIGINT PRIMARY KEY);
+
+-- The relay's scan: pending events that nothing holds, in id order. Parked events are found by
+-- when they are due, dead ones never.
+DROP INDEX {schema}.{pending_idx};
+CREATE INDEX {pending_idx} ON {outbox} (id)
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+      AND held_by IS NULL AND held_behind IS NULL;
+CREATE INDEX {parked_idx} ON {outbox} (next_retry_at)
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NOT NULL;
+-- Everything that holds an aggregate back or waits behind it: dead, parked, held.
+DROP INDEX {schema}.{stalled_idx};
+CREATE INDEX {stalled_idx} ON {outbox} (aggregate_id, id)
+    WHERE published_at IS NULL AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+      OR held_by IS NOT NULL OR held_behind IS NOT NULL);
+CREATE INDEX {held_by_idx} ON {outbox} (held_by) WHERE held_by IS NOT NULL;
+CREATE INDEX {held_behind_idx} ON {outbox} (held_behind) WHERE held_behind IS NOT NULL;
+
+-- Deliveries: keyed by the aggregate's type too, claimed under a claim's token.
+ALTER TABLE {deliveries} ADD COLUMN aggregate_type TEXT,
+    ADD COLUMN claim_id BIGINT,
+    ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
+UPDATE {deliveries} AS d SET aggregate_type = o.aggregate_type
+FROM {outbox} AS o WHERE o.id = d.event_id;
+-- Relays of earlier versions claim deliveries by this column: dropping it stops them (their
+-- claims fail) instead of letting them claim without a token.
+ALTER TABLE {deliveries} ALTER COLUMN aggregate_type SET NOT NULL,
+    DROP COLUMN claimed_until;
+CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -130,13 +197,16 @@ ALTER TABLE {claims} ALTER COLUMN event_ids SET STORAGE EXTERNAL,
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
-    /// Begins a claim: takes the advisory lock that serialises claims (its one-key form never
-    /// collides with the two-key locks of publishing and migrating), and lets the commit skip
-    /// waiting for the disk (a claim lost in a crash only lets the events be claimed again).
+    /// Begins a claim (see [`claim_begin`]).
     claim_begin: SqlStr,
+    /// Begins an operator's action that can release held events: it takes the claim lock, so
+    /// that no claim sets events aside on a snapshot older than the action.
+    locked_begin: SqlStr,
     insert_one: SqlStr,
     insert: SqlStr,
     claim: SqlStr,
+    renew: SqlStr,
+    hold_claim: SqlStr,
     /// `record` when every claimed event was simply published: the common case, made cheap.
     record_published: SqlStr,
     record: SqlStr,
@@ -155,6 +225,60 @@ fn sql(text: String) -> SqlStr {
     sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
 }
 
+/// The statements that begin a claim's transaction, sent in one round trip.
+///
+/// - READ COMMITTED whatever the database's default: each statement then sees what committed
+///   before it started, which the claim relies on (under REPEATABLE READ the claim would read a
+///   snapshot taken before it waited for the claim lock).
+/// - Timeouts, so that a relay frozen while it holds the claim lock (or stuck in a slow
+///   statement) cannot stop the other relays for long: the server ends its session.
+/// - The advisory lock that admits one claimer at a time (its one-key form never collides with
+///   the two-key locks of publishing and migrating); asynchronous commit (a claim lost in a
+///   crash only lets its events be claimed again).
+/// - Expired claims end: their events and deliveries are free again and count a redelivery.
+///   Rows locked by a record of their own claim (or by a handler fencing its writes on it) are
+///   skipped, not waited for: the claim that follows treats them as live.
+/// - Claims that events were set aside behind, and that are over, release those events.
+fn claim_begin(lock: i64, claims: &str, outbox: &str, deliveries: &str, holds: &str) -> String {
+    format!(
+        r#"BEGIN ISOLATION LEVEL READ COMMITTED;
+SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
+SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}';
+SET LOCAL idle_in_transaction_session_timeout = '{IDLE_TIMEOUT}';
+SELECT set_config('synchronous_commit', 'off', true),
+       set_config('plan_cache_mode', 'force_generic_plan', true),
+       pg_advisory_xact_lock({lock});
+WITH gone AS (
+    DELETE FROM {claims} WHERE id IN (
+        SELECT id FROM {claims} WHERE until < clock_timestamp() FOR UPDATE SKIP LOCKED)
+    RETURNING id, event_ids
+),
+expired_events AS (
+    UPDATE {outbox} SET expired_claims = expired_claims + 1
+    WHERE id = ANY(ARRAY(SELECT unnest(event_ids) FROM gone)) AND published_at IS NULL
+),
+expired_deliveries AS (
+    UPDATE {deliveries} SET claim_id = NULL, expired_claims = expired_claims + 1
+    WHERE claim_id = ANY(ARRAY(SELECT id FROM gone))
+),
+ended AS (
+    DELETE FROM {holds} AS h
+    WHERE h.claim_id = ANY(ARRAY(SELECT id FROM gone))
+       OR NOT EXISTS (SELECT 1 FROM {claims} AS c WHERE c.id = h.claim_id)
+    RETURNING h.claim_id
+)
+UPDATE {outbox} SET held_by = NULL WHERE held_by = ANY(ARRAY(SELECT claim_id FROM ended))"#
+    )
+}
+
+/// How long a claimer waits for the claim lock before it gives up and tries again.
+const LOCK_TIMEOUT: &str = "3s";
+/// The longest a claim statement may run.
+const STATEMENT_TIMEOUT: &str = "10s";
+/// How long a relay may sit in its claim transaction without sending anything (frozen, say)
+/// before the server ends its session and so releases the claim lock.
+const IDLE_TIMEOUT: &str = "2s";
+
 impl Backend for Postgres {
     type Queries = PgQueries;
 
@@ -162,19 +286,25 @@ impl Backend for Postgres {
         let outbox = names.qualified("");
         let deliveries = names.qualified("_deliveries");
         let claims = names.qualified("_claims");
+        let holds = names.qualified("_holds");
         let skips = names.qualified("_skips");
+        let lock = (i64::from(names.lock_namespace()) << 1) | 1;
+        // The columns the relay reads of a claimed event, in `claim_from_row`'s order after the
+        // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at.
+        let event_columns = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
+                             coalesce(o.payload_text, o.payload::text) AS payload, o.occurred_at";
         PgQueries {
             lock_namespace: names.lock_namespace(),
-            claim_begin: sql(format!(
-                "BEGIN; SELECT set_config('synchronous_commit', 'off', true), \
-                 set_config('plan_cache_mode', 'force_generic_plan', true), \
-                 pg_advisory_xact_lock({})",
-                (i64::from(names.lock_namespace()) << 1) | 1
+            claim_begin: sql(claim_begin(lock, &claims, &outbox, &deliveries, &holds)),
+            locked_begin: sql(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED;
+                 SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
+                 SELECT pg_advisory_xact_lock({lock})"
             )),
             insert_one: sql(format!(
                 r#"
-INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-SELECT $3, $4, $5, $6::jsonb, coalesce($7, now())
+INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
+SELECT $3, $4, $5, $6::jsonb, $7, coalesce($8, now())
 FROM pg_advisory_xact_lock($1::int4, $2::int4)"#
             )),
             insert: sql(format!(
@@ -183,97 +313,167 @@ WITH locks AS MATERIALIZED (
     SELECT pg_advisory_xact_lock($1::int4, k)
     FROM (SELECT DISTINCT unnest($2::int4[]) AS k ORDER BY 1) AS keys
 )
-INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-SELECT e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb,
+INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
+SELECT e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb, e.payload_text,
        coalesce(e.occurred_at, now())
-FROM unnest($3::text[], $4::uuid[], $5::text[], $6::text[], $7::timestamptz[])
-     WITH ORDINALITY AS e(aggregate_type, aggregate_id, event_type, payload, occurred_at, n)
+FROM unnest($3::text[], $4::uuid[], $5::text[], $6::text[], $7::text[], $8::timestamptz[])
+     WITH ORDINALITY AS e(aggregate_type, aggregate_id, event_type, payload, payload_text,
+                          occurred_at, n)
 WHERE (SELECT count(*) FROM locks) >= 0
 ORDER BY e.n"#
             )),
             claim: sql(format!(
                 r#"
-WITH expired AS (
-    DELETE FROM {claims} WHERE until < now()
+WITH active AS MATERIALIZED (
+    -- Every claim still here is live (the expired ones ended just before, except those a
+    -- record or a handler holds: treated as live, as they are for a moment more).
+    SELECT c.id AS claim_id, c.claimed_at, a.event_id, a.aggregate_type, a.aggregate_id
+    FROM {claims} AS c
+    CROSS JOIN LATERAL unnest(c.event_ids, c.aggregate_types, c.aggregate_ids)
+        AS a(event_id, aggregate_type, aggregate_id)
 ),
-active AS MATERIALIZED (
-    -- The events other claims hold, with their aggregates (each claim's arrays are in step).
-    SELECT a.id, a.aggregate_id FROM {claims} AS c
-    CROSS JOIN LATERAL unnest(c.event_ids, c.aggregate_ids) AS a(id, aggregate_id)
-    WHERE c.until >= now()
+claimed_aggregates AS MATERIALIZED (
+    SELECT a.aggregate_type, a.aggregate_id, min(a.claim_id) AS claim_id,
+           min(a.claimed_at) AS claimed_at
+    FROM active AS a GROUP BY a.aggregate_type, a.aggregate_id
 ),
-candidates AS (
-    SELECT o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload, o.occurred_at,
-           o.retry_count
+scanned AS (
+    -- The next pending events that nothing holds, in id order: a batch of them, whatever
+    -- waits elsewhere (held events are out of this index).
+    SELECT {event_columns}, o.retry_count, o.expired_claims
     FROM {outbox} AS o
-    WHERE o.published_at IS NULL AND o.dead_at IS NULL
-      AND (o.next_retry_at IS NULL OR o.next_retry_at <= now())
+    WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.next_retry_at IS NULL
+      AND o.held_by IS NULL AND o.held_behind IS NULL
       -- NOT IN over a subquery is a hash lookup, whatever the planner thinks of the backlog.
-      AND o.id NOT IN (SELECT a.id FROM active AS a)
+      AND o.id NOT IN (SELECT a.event_id FROM active AS a)
     ORDER BY o.id
     LIMIT $1
 ),
+due_parked AS (
+    SELECT {event_columns}, o.retry_count, o.expired_claims
+    FROM {outbox} AS o
+    WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.next_retry_at <= now()
+      AND o.id NOT IN (SELECT a.event_id FROM active AS a)
+    ORDER BY o.next_retry_at
+    LIMIT $1
+),
+candidates AS MATERIALIZED (
+    SELECT * FROM scanned UNION ALL SELECT * FROM due_parked
+),
 stalled AS MATERIALIZED (
-    -- Events that hold their aggregate's later events back: dead, parked, or in another relay's
-    -- claim. Every eligible event before a candidate is a candidate too (the scan is in id
-    -- order), so these are the only ones a candidate can wait for.
-    SELECT e.aggregate_id, e.id FROM {outbox} AS e
-    WHERE e.published_at IS NULL AND (e.dead_at IS NOT NULL OR e.next_retry_at > now())
-    UNION ALL
-    -- A claim without aggregates (written by an earlier version) costs a primary-key lookup
-    -- per event (LIMIT keeps it a lookup: a join here could scan the whole table when the
-    -- statistics say that few events are unpublished).
-    SELECT coalesce(a.aggregate_id, (
-        SELECT o.aggregate_id FROM {outbox} AS o
-        WHERE o.id = a.id AND o.published_at IS NULL
+    -- Per aggregate of the candidates, its first unpublished event (not a candidate) that is
+    -- dead, parked or held: one index lookup each, and none when nothing anywhere is stalled.
+    SELECT k.aggregate_type, k.aggregate_id, s.id, s.held_by, s.held_behind,
+           s.held_by IS NULL AND s.held_behind IS NULL AS root
+    FROM (SELECT DISTINCT c.aggregate_type, c.aggregate_id FROM candidates AS c) AS k
+    CROSS JOIN LATERAL (
+        SELECT e.id, e.held_by, e.held_behind FROM {outbox} AS e
+        WHERE e.aggregate_id = k.aggregate_id AND e.aggregate_type = k.aggregate_type
+          AND e.published_at IS NULL
+          AND (e.dead_at IS NOT NULL OR e.next_retry_at IS NOT NULL
+               OR e.held_by IS NOT NULL OR e.held_behind IS NOT NULL)
+          AND e.id NOT IN (SELECT c.id FROM candidates AS c)
+        ORDER BY e.id
         LIMIT 1
-    )), a.id FROM active AS a
+    ) AS s
+    WHERE EXISTS (
+        SELECT 1 FROM {outbox} AS e
+        WHERE e.published_at IS NULL
+          AND (e.dead_at IS NOT NULL OR e.next_retry_at IS NOT NULL
+               OR e.held_by IS NOT NULL OR e.held_behind IS NOT NULL))
 ),
-claimable AS (
-    SELECT c.* FROM candidates AS c
-    WHERE NOT EXISTS (
-        SELECT 1 FROM stalled AS s WHERE s.aggregate_id = c.aggregate_id AND s.id < c.id)
+decided AS MATERIALIZED (
+    -- A candidate waits when its aggregate is in a live claim, or has an earlier stalled event.
+    -- Behind a claim older than $3 seconds (a slow batch, a dead relay) it is set aside, held by
+    -- that claim; behind a young one it is only skipped (the claim will be over in a moment).
+    -- Behind a dead or parked event, it is set aside behind that event.
+    SELECT c.*,
+           CASE
+               WHEN h.claim_id IS NOT NULL THEN
+                   CASE WHEN h.claimed_at < clock_timestamp() - $3 * interval '1 second'
+                        THEN h.claim_id END
+               WHEN s.id < c.id THEN s.held_by
+           END AS mark_by,
+           CASE
+               WHEN h.claim_id IS NULL AND s.id < c.id THEN
+                   CASE WHEN s.root THEN s.id ELSE s.held_behind END
+           END AS mark_behind,
+           h.claim_id IS NOT NULL OR coalesce(s.id < c.id, false) AS waits
+    FROM candidates AS c
+    LEFT JOIN claimed_aggregates AS h
+        ON h.aggregate_id = c.aggregate_id AND h.aggregate_type = c.aggregate_type
+    LEFT JOIN stalled AS s
+        ON s.aggregate_id = c.aggregate_id AND s.aggregate_type = c.aggregate_type
 ),
-claim AS (
-    INSERT INTO {claims} (until, event_ids, aggregate_ids)
-    -- One aggregation step feeds both arrays each row: they stay in step.
-    SELECT now() + $2 * interval '1 second', array_agg(id), array_agg(aggregate_id)
-    FROM claimable HAVING count(*) > 0
+marked AS (
+    UPDATE {outbox} AS o SET held_by = d.mark_by, held_behind = d.mark_behind
+    FROM decided AS d
+    WHERE o.id = d.id AND (d.mark_by IS NOT NULL OR d.mark_behind IS NOT NULL)
+    RETURNING o.id
+),
+new_holds AS (
+    INSERT INTO {holds} (claim_id)
+    SELECT DISTINCT d.mark_by FROM decided AS d WHERE d.mark_by IS NOT NULL
+    ON CONFLICT DO NOTHING
+),
+claimable AS MATERIALIZED (
+    SELECT * FROM decided AS d WHERE NOT d.waits ORDER BY d.id LIMIT $1
 ),
 due AS (
     SELECT d.subscriber, d.event_id FROM {deliveries} AS d
-    WHERE d.dead_at IS NULL AND d.next_retry_at <= now()
-      AND (d.claimed_until IS NULL OR d.claimed_until < now())
+    WHERE d.dead_at IS NULL AND d.next_retry_at <= now() AND d.claim_id IS NULL
       AND NOT EXISTS (
           SELECT 1 FROM {deliveries} AS h
           WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
-            AND h.event_id < d.event_id)
+            AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
     ORDER BY d.event_id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ),
+claim AS (
+    -- One aggregation step feeds the three arrays each row: they stay in step. The lease
+    -- runs from now, after any wait for the claim lock.
+    INSERT INTO {claims} (until, claimed_at, event_ids, aggregate_types, aggregate_ids)
+    SELECT clock_timestamp() + $2 * interval '1 second', clock_timestamp(),
+           coalesce(array_agg(c.id), '{{}}'), coalesce(array_agg(c.aggregate_type), '{{}}'),
+           coalesce(array_agg(c.aggregate_id), '{{}}')
+    FROM claimable AS c
+    HAVING count(*) > 0 OR EXISTS (SELECT 1 FROM due)
+    RETURNING id
+),
 claimed_deliveries AS (
-    UPDATE {deliveries} AS d SET claimed_until = now() + $2 * interval '1 second'
+    UPDATE {deliveries} AS d SET claim_id = (SELECT id FROM claim)
     FROM due JOIN {outbox} AS o ON o.id = due.event_id
     WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
-    RETURNING o.id, o.aggregate_type, o.aggregate_id, o.event_type, o.payload::text AS payload,
-              o.occurred_at, d.attempts, d.subscriber, NULL::text[] AS blocked
+    RETURNING d.claim_id, {event_columns}, d.attempts, d.expired_claims, d.subscriber,
+              NULL::text[] AS blocked
 ),
 claimed_events AS (
-    SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload::text AS payload,
-           c.occurred_at, c.retry_count AS attempts, NULL::text AS subscriber,
-           b.subscribers AS blocked
+    SELECT (SELECT id FROM claim), c.id, c.aggregate_type, c.aggregate_id, c.event_type,
+           c.payload, c.occurred_at, c.retry_count, c.expired_claims, NULL::text, b.subscribers
     FROM claimable AS c
     LEFT JOIN (
-        SELECT d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
+        SELECT d.aggregate_type, d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
         FROM {deliveries} AS d
-        WHERE d.aggregate_id IN (SELECT aggregate_id FROM claimable)
-        GROUP BY d.aggregate_id
-    ) AS b ON b.aggregate_id = c.aggregate_id
+        WHERE d.aggregate_id IN (SELECT c.aggregate_id FROM claimable AS c)
+        GROUP BY d.aggregate_type, d.aggregate_id
+    ) AS b ON b.aggregate_id = c.aggregate_id AND b.aggregate_type = c.aggregate_type
 )
 SELECT * FROM claimed_events
 UNION ALL
-SELECT * FROM claimed_deliveries"#
+SELECT * FROM claimed_deliveries
+UNION ALL
+-- The last row says how many events were set aside (the id is NULL).
+SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL, NULL,
+       (SELECT count(*) FROM marked)::int4, NULL, NULL, NULL"#
+            )),
+            renew: sql(format!(
+                "UPDATE {claims} SET until = clock_timestamp() + $2 * interval '1 second'
+                 WHERE id = $1 AND until >= clock_timestamp()"
+            )),
+            hold_claim: sql(format!(
+                "SELECT set_config('idle_in_transaction_session_timeout', '{IDLE_TIMEOUT}', true)
+                 FROM {claims} WHERE id = $1 AND until >= clock_timestamp() FOR KEY SHARE"
             )),
             record_published: sql(format!(
                 r#"
@@ -281,11 +481,22 @@ WITH asynchronous AS (
     -- As in `record`.
     SELECT set_config('synchronous_commit', 'off', true)
 ),
-finished AS (
-    DELETE FROM {claims} WHERE event_ids && $1::int8[]
+mine AS (
+    DELETE FROM {claims}
+    WHERE id = $1 AND until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
+    RETURNING id
+),
+published AS (
+    UPDATE {outbox} SET published_at = now()
+    WHERE id = ANY($2::int8[]) AND EXISTS (SELECT 1 FROM mine)
+    RETURNING id, retry_count
+),
+unheld AS (
+    -- Events set aside behind a parked event that is published now.
+    UPDATE {outbox} SET held_behind = NULL
+    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
 )
-UPDATE {outbox} SET published_at = now()
-WHERE id = ANY($1::int8[]) AND (SELECT count(*) FROM asynchronous) = 1"#
+SELECT count(*) FROM mine"#
             )),
             record: sql(format!(
                 r#"
@@ -294,47 +505,64 @@ WITH asynchronous AS (
     -- at-least-once allows, so this commit need not wait for the disk.
     SELECT set_config('synchronous_commit', 'off', true)
 ),
-finished AS (
-    DELETE FROM {claims} WHERE event_ids && ($1::int8[] || $2::int8[] || $5::int8[] || $7::int8[])
+mine AS (
+    -- The claim, if it is still live: nothing below happens otherwise. (A claimer ending it
+    -- as expired at the same moment holds its row lock first, or waits for this statement.)
+    DELETE FROM {claims}
+    WHERE id = $1 AND until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
+    RETURNING id
+),
+live AS (
+    SELECT count(*) = 1 AS live FROM mine
 ),
 published AS (
-    UPDATE {outbox} SET published_at = now() WHERE id = ANY($1::int8[])
+    UPDATE {outbox} SET published_at = now()
+    WHERE id = ANY($2::int8[]) AND (SELECT live FROM live)
+    RETURNING id, retry_count
+),
+unheld AS (
+    UPDATE {outbox} SET held_behind = NULL
+    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
 ),
 parked AS (
     UPDATE {outbox} AS o
     SET retry_count = o.retry_count + 1, last_error = p.reason,
         next_retry_at = now() + p.delay * interval '1 second'
-    FROM unnest($2::int8[], $3::text[], $4::float8[]) AS p(id, reason, delay)
-    WHERE o.id = p.id
+    FROM unnest($3::int8[], $4::text[], $5::float8[]) AS p(id, reason, delay)
+    WHERE o.id = p.id AND (SELECT live FROM live)
 ),
 dead AS (
     UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason
-    FROM unnest($5::int8[], $6::text[]) AS x(id, reason)
-    WHERE o.id = x.id
+    FROM unnest($6::int8[], $7::text[]) AS x(id, reason)
+    WHERE o.id = x.id AND (SELECT live FROM live)
 ),
 delivered AS (
     DELETE FROM {deliveries} AS d
     USING unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
+      AND (SELECT live FROM live)
 ),
 upserted AS (
     INSERT INTO {deliveries} AS d
-        (event_id, subscriber, aggregate_id, attempts, last_error, next_retry_at, dead_at)
-    SELECT x.event_id, x.subscriber, x.aggregate_id, x.attempts, x.error,
+        (event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error,
+         next_retry_at, dead_at)
+    SELECT x.event_id, x.subscriber, x.aggregate_type, x.aggregate_id, x.attempts, x.error,
            now() + x.delay * interval '1 second', CASE WHEN x.dead THEN now() END
-    FROM unnest($10::int8[], $11::text[], $12::uuid[], $13::int4[], $14::text[], $15::float8[],
-                $16::bool[])
-         AS x(event_id, subscriber, aggregate_id, attempts, error, delay, dead)
+    FROM unnest($10::int8[], $11::text[], $12::text[], $13::uuid[], $14::int4[], $15::text[],
+                $16::float8[], $17::bool[])
+         AS x(event_id, subscriber, aggregate_type, aggregate_id, attempts, error, delay, dead)
+    WHERE (SELECT live FROM live)
     ON CONFLICT (subscriber, event_id) DO UPDATE
     SET attempts = excluded.attempts, last_error = excluded.last_error,
-        next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claimed_until = NULL
+        next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claim_id = NULL
 ),
 released_deliveries AS (
-    UPDATE {deliveries} AS d SET claimed_until = NULL
-    FROM unnest($17::text[], $18::int8[]) AS x(subscriber, event_id)
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+    UPDATE {deliveries} AS d SET claim_id = NULL
+    FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
+      AND (SELECT live FROM live)
 )
-SELECT 1 FROM asynchronous"#
+SELECT live FROM live"#
             )),
             requeue_events: sql(format!(
                 r#"
@@ -345,10 +573,13 @@ WITH events AS (
       AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
     RETURNING 1
 ),
+unheld AS (
+    -- What waited behind them is claimed again with them, in order.
+    UPDATE {outbox} SET held_behind = NULL WHERE held_behind = ANY($1::int8[])
+),
 deliveries AS (
     UPDATE {deliveries}
-    SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL,
-        claimed_until = NULL
+    SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL
     WHERE event_id = ANY($1::int8[]) AND dead_at IS NOT NULL
     RETURNING 1
 )
@@ -385,7 +616,15 @@ SELECT p.events, p.oldest,
        -- Dead events are never published: the partial index `stalled_idx` holds them.
        (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NOT NULL)
          + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL),
-       (SELECT count(*) FROM (SELECT DISTINCT subscriber, aggregate_id FROM {deliveries}) AS k)
+       (SELECT count(*) FROM (
+            SELECT DISTINCT subscriber, aggregate_type, aggregate_id FROM {deliveries}) AS k),
+       (SELECT count(*) FROM (
+            SELECT DISTINCT aggregate_type, aggregate_id FROM {outbox}
+            WHERE published_at IS NULL
+              AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+                   OR held_by IS NOT NULL OR held_behind IS NOT NULL)) AS k),
+       (SELECT count(*) FROM {outbox} WHERE held_by IS NOT NULL)
+         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL)
 FROM (SELECT count(*) AS events,
              extract(epoch FROM now() - min(occurred_at))::float8 AS oldest
       FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL) AS p"#
@@ -395,8 +634,7 @@ FROM (SELECT count(*) AS events,
                 r#"
 WITH gone AS (
     DELETE FROM {deliveries}
-    WHERE event_id = $1 AND subscriber = $2
-      AND (claimed_until IS NULL OR claimed_until < now())
+    WHERE event_id = $1 AND subscriber = $2 AND claim_id IS NULL
     RETURNING event_id, subscriber, attempts, last_error
 )
 INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
@@ -408,9 +646,12 @@ WITH gone AS (
     UPDATE {outbox} AS o SET published_at = now(), dead_at = NULL, next_retry_at = NULL
     WHERE o.id = $1 AND o.published_at IS NULL
       AND (o.dead_at IS NOT NULL OR o.next_retry_at IS NOT NULL)
-      AND NOT EXISTS (
-          SELECT 1 FROM {claims} AS c WHERE c.until >= now() AND o.id = ANY(c.event_ids))
+      AND NOT EXISTS (SELECT 1 FROM {claims} AS c WHERE o.id = ANY(c.event_ids))
     RETURNING o.id, o.retry_count, o.last_error
+),
+unheld AS (
+    UPDATE {outbox} SET held_behind = NULL
+    WHERE held_behind = ANY(ARRAY(SELECT g.id FROM gone AS g))
 )
 INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
 SELECT id, NULL, retry_count, last_error, $2 FROM gone"#
@@ -418,60 +659,14 @@ SELECT id, NULL, retry_count, last_error, $2 FROM gone"#
             requeue_subscriber: sql(format!(
                 r#"
 UPDATE {deliveries}
-SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL, claimed_until = NULL
+SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL
 WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             )),
         }
     }
 
     async fn migrate(pool: &PgPool, names: &TableNames) -> Result<(), Error> {
-        let schema = names.quoted_schema();
-        let migrations = names.qualified("_migrations");
-        let known = MIGRATIONS.last().map_or(0, |m| m.0);
-        let mut tx = pool.begin().await?;
-        // One migrator at a time per set of tables.
-        sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
-            .bind(names.lock_namespace())
-            .execute(&mut *tx)
-            .await?;
-        tx.execute(sqlx::raw_sql(sql(format!(
-            "CREATE SCHEMA IF NOT EXISTS {schema};
-             CREATE TABLE IF NOT EXISTS {migrations} (
-                 version     INTEGER PRIMARY KEY,
-                 description TEXT NOT NULL,
-                 applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
-             );"
-        ))))
-        .await?;
-        let current: i32 = sqlx::query_scalar(sql(format!(
-            "SELECT coalesce(max(version), 0) FROM {migrations}"
-        )))
-        .fetch_one(&mut *tx)
-        .await?;
-        if current > known {
-            return Err(Error::SchemaTooNew {
-                schema: names.schema().to_owned(),
-                table: names.table().to_owned(),
-                found: current,
-                known,
-            });
-        }
-        for (version, description, template) in MIGRATIONS {
-            if *version <= current {
-                continue;
-            }
-            let text = names.render(template, |suffix| names.qualified(suffix));
-            tx.execute(sqlx::raw_sql(sql(text))).await?;
-            sqlx::query(sql(format!(
-                "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"
-            )))
-            .bind(version)
-            .bind(description)
-            .execute(&mut *tx)
-            .await?;
-        }
-        tx.commit().await?;
-        Ok(())
+        migrate_to(pool, names, MIGRATIONS.last().map_or(0, |m| m.0)).await
     }
 
     async fn insert(
@@ -480,13 +675,15 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         events: &[NewEvent],
     ) -> Result<(), sqlx::Error> {
         if let [event] = events {
+            let (payload, exact) = jsonb_payload(&event.payload);
             sqlx::query(queries.insert_one.clone())
                 .bind(queries.lock_namespace)
                 .bind(lock_key(event.aggregate_id))
                 .bind(event.aggregate_type)
                 .bind(event.aggregate_id)
                 .bind(event.event_type)
-                .bind(event.payload.as_str())
+                .bind(payload.as_ref())
+                .bind(exact)
                 .bind(event.occurred_at)
                 .execute(conn)
                 .await?;
@@ -496,7 +693,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         let aggregate_types: Vec<&str> = events.iter().map(|e| e.aggregate_type).collect();
         let aggregate_ids: Vec<Uuid> = events.iter().map(|e| e.aggregate_id).collect();
         let event_types: Vec<&str> = events.iter().map(|e| e.event_type).collect();
-        let payloads: Vec<&str> = events.iter().map(|e| e.payload.as_str()).collect();
+        let (payloads, exact): (Vec<_>, Vec<_>) =
+            events.iter().map(|e| jsonb_payload(&e.payload)).unzip();
+        let payloads: Vec<&str> = payloads.iter().map(AsRef::as_ref).collect();
         let occurred: Vec<Option<OffsetDateTime>> = events.iter().map(|e| e.occurred_at).collect();
         sqlx::query(queries.insert.clone())
             .bind(queries.lock_namespace)
@@ -505,6 +704,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .bind(aggregate_ids)
             .bind(event_types)
             .bind(payloads)
+            .bind(exact)
             .bind(occurred)
             .execute(conn)
             .await?;
@@ -516,46 +716,92 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         limit: u32,
         lease: Duration,
-    ) -> Result<Vec<Claim>, sqlx::Error> {
-        // One claimer at a time; the claim statement that follows sees every claim committed
-        // before the lock was granted. (`BEGIN` and the lock go in one round trip.)
+    ) -> Result<Batch, sqlx::Error> {
+        // One claimer at a time: the transaction's first statements take the claim lock and end
+        // expired claims; the claim statement then sees every claim and record committed before.
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
         let rows = sqlx::query(queries.claim.clone())
             .bind(i64::from(limit))
             .bind(lease.as_secs_f64())
+            .bind(hold_after(lease).as_secs_f64())
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        let mut claims = rows
-            .iter()
-            .map(claim_from_row)
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut token = None;
+        let mut set_aside = 0;
+        let mut claims = Vec::with_capacity(rows.len());
+        for row in &rows {
+            token = token.or(row.try_get::<Option<i64>, _>(0)?);
+            match row.try_get::<Option<i64>, _>(1)? {
+                Some(_) => claims.push(claim_from_row(row)?),
+                // The last row: how many events were set aside.
+                None => set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0),
+            }
+        }
+        let Some(token) = token.filter(|_| !claims.is_empty()) else {
+            return Ok(Batch::empty().with_more(set_aside > 0));
+        };
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(claims)
+        Ok(Batch::new(ClaimToken::new(token), claims).with_more(set_aside > 0))
+    }
+
+    async fn renew(
+        pool: &PgPool,
+        queries: &PgQueries,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let renewed = sqlx::query(queries.renew.clone())
+            .bind(token.get())
+            .bind(lease.as_secs_f64())
+            .execute(pool)
+            .await?
+            .rows_affected();
+        Ok(renewed == 1)
+    }
+
+    async fn hold_claim(
+        conn: &mut PgConnection,
+        queries: &PgQueries,
+        token: ClaimToken,
+    ) -> Result<bool, sqlx::Error> {
+        Ok(sqlx::query(queries.hold_claim.clone())
+            .bind(token.get())
+            .fetch_optional(conn)
+            .await?
+            .is_some())
     }
 
     async fn record(
         pool: &PgPool,
         queries: &PgQueries,
+        token: ClaimToken,
         outcomes: &Outcomes,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<Recorded, sqlx::Error> {
         let all_published = outcomes.deliveries.is_empty()
             && outcomes
                 .events
                 .iter()
                 .all(|(_, outcome)| *outcome == EventOutcome::Published);
+        let recorded = |live: bool| {
+            if live {
+                Recorded::Applied
+            } else {
+                Recorded::Lost
+            }
+        };
         if all_published {
             let ids: Vec<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
-            sqlx::query(queries.record_published.clone())
+            let live: i64 = sqlx::query_scalar(queries.record_published.clone())
+                .bind(token.get())
                 .bind(ids)
-                .execute(pool)
+                .fetch_one(pool)
                 .await?;
-            return Ok(());
+            return Ok(recorded(live == 1));
         }
         let mut published = Vec::new();
         let (mut parked_ids, mut parked_reasons, mut parked_delays) = (vec![], vec![], vec![]);
         let (mut dead_ids, mut dead_reasons) = (vec![], vec![]);
-        let mut released = Vec::new();
         for (id, outcome) in &outcomes.events {
             match outcome {
                 EventOutcome::Published => published.push(*id),
@@ -568,7 +814,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                     dead_ids.push(*id);
                     dead_reasons.push(reason.as_str());
                 }
-                EventOutcome::Released => released.push(*id),
+                // Ending the claim gives the event back.
+                EventOutcome::Released => {}
             }
         }
         let (mut done_subscribers, mut done_ids) = (vec![], vec![]);
@@ -595,18 +842,19 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 }
             }
         }
-        sqlx::query(queries.record.clone())
+        let live: bool = sqlx::query_scalar(queries.record.clone())
+            .bind(token.get())
             .bind(published)
             .bind(parked_ids)
             .bind(parked_reasons)
             .bind(parked_delays)
             .bind(dead_ids)
             .bind(dead_reasons)
-            .bind(released)
             .bind(done_subscribers)
             .bind(done_ids)
             .bind(up.event_ids)
             .bind(up.subscribers)
+            .bind(up.aggregate_types)
             .bind(up.aggregate_ids)
             .bind(up.attempts)
             .bind(up.errors)
@@ -614,9 +862,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .bind(up.dead)
             .bind(rel_subscribers)
             .bind(rel_ids)
-            .execute(pool)
+            .fetch_one(pool)
             .await?;
-        Ok(())
+        Ok(recorded(live))
     }
 
     async fn purge_published(
@@ -656,11 +904,14 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
     }
 
     async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
-        let (events, oldest, deliveries, dead, blocked): (i64, Option<f64>, i64, i64, i64) =
+        type Row = (i64, Option<f64>, i64, i64, i64, i64, i64);
+        let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
             sqlx::query_as(queries.status.clone())
                 .fetch_one(pool)
                 .await?;
         let mut status = Status::default();
+        status.blocked_aggregates = row_count(aggregates);
+        status.held_events = row_count(held);
         status.pending_events = row_count(events);
         status.oldest_pending_age =
             oldest.map(|age| Duration::try_from_secs_f64(age).unwrap_or_default());
@@ -698,7 +949,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 .bind(event_id)
                 .bind(reason),
         };
-        Ok(query.execute(pool).await?.rows_affected() > 0)
+        // Under the claim lock: events held behind the skipped one are released, and no claim
+        // may set more aside behind it on an older snapshot meanwhile.
+        let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
+        let skipped = query.execute(&mut *tx).await?.rows_affected() > 0;
+        tx.commit().await?;
+        Ok(skipped)
     }
 
     async fn notify(pool: &PgPool, channel: &str, sender: &str) -> Result<(), sqlx::Error> {
@@ -731,10 +987,13 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
     ) -> Result<u64, sqlx::Error> {
         match which {
             Requeue::Events(ids) => {
+                // Under the claim lock, as `skip`.
+                let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
                 let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
                     .bind(ids)
-                    .fetch_one(pool)
+                    .fetch_one(&mut *tx)
                     .await?;
+                tx.commit().await?;
                 Ok(u64::try_from(changed).unwrap_or(0))
             }
             Requeue::Subscriber(subscriber) => Ok(sqlx::query(queries.requeue_subscriber.clone())
@@ -782,6 +1041,7 @@ async fn listen_until_lost(
 struct Upserts<'a> {
     event_ids: Vec<i64>,
     subscribers: Vec<&'a str>,
+    aggregate_types: Vec<&'a str>,
     aggregate_ids: Vec<Uuid>,
     attempts: Vec<i32>,
     errors: Vec<Option<&'a str>>,
@@ -800,6 +1060,7 @@ impl<'a> Upserts<'a> {
     ) {
         self.event_ids.push(record.event_id);
         self.subscribers.push(&record.subscriber);
+        self.aggregate_types.push(&record.aggregate_type);
         self.aggregate_ids.push(record.aggregate_id);
         self.attempts
             .push(i32::try_from(attempts).unwrap_or(i32::MAX));
@@ -809,33 +1070,120 @@ impl<'a> Upserts<'a> {
     }
 }
 
+/// Applies the migrations up to version `last` (all of them, but in tests of an upgrade).
+async fn migrate_to(pool: &PgPool, names: &TableNames, last: i32) -> Result<(), Error> {
+    let schema = names.quoted_schema();
+    let migrations = names.qualified("_migrations");
+    let known = MIGRATIONS.last().map_or(0, |m| m.0);
+    let mut tx = pool.begin().await?;
+    // One migrator at a time per set of tables.
+    sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
+        .bind(names.lock_namespace())
+        .execute(&mut *tx)
+        .await?;
+    tx.execute(sqlx::raw_sql(sql(format!(
+        "CREATE SCHEMA IF NOT EXISTS {schema};
+         CREATE TABLE IF NOT EXISTS {migrations} (
+             version     INTEGER PRIMARY KEY,
+             description TEXT NOT NULL,
+             applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
+         );"
+    ))))
+    .await?;
+    let current: i32 = sqlx::query_scalar(sql(format!(
+        "SELECT coalesce(max(version), 0) FROM {migrations}"
+    )))
+    .fetch_one(&mut *tx)
+    .await?;
+    if current > known {
+        return Err(Error::SchemaTooNew {
+            schema: names.schema().to_owned(),
+            table: names.table().to_owned(),
+            found: current,
+            known,
+        });
+    }
+    for (version, description, template) in MIGRATIONS {
+        if *version <= current || *version > last {
+            continue;
+        }
+        let text = names.render(template, |suffix| names.qualified(suffix));
+        tx.execute(sqlx::raw_sql(sql(text))).await?;
+        sqlx::query(sql(format!(
+            "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"
+        )))
+        .bind(version)
+        .bind(description)
+        .execute(&mut *tx)
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// A claimed row; a row whose values this build cannot read becomes [`Claim::Unreadable`].
 fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {
     // By position, in the claim's column order: a claim is hundreds of rows.
-    let event = StoredEvent {
-        id: row.try_get(0)?,
-        aggregate_type: row.try_get(1)?,
-        aggregate_id: row.try_get(2)?,
-        event_type: row.try_get(3)?,
-        payload: row.try_get(4)?,
-        occurred_at: row.try_get(5)?,
+    let id: i64 = row.try_get(1)?;
+    let aggregate_type: String = row.try_get(2)?;
+    let aggregate_id: Uuid = row.try_get(3)?;
+    let read = || -> Result<Claim, sqlx::Error> {
+        let event = StoredEvent {
+            id,
+            aggregate_type: aggregate_type.clone(),
+            aggregate_id,
+            event_type: row.try_get(4)?,
+            payload: row.try_get(5)?,
+            occurred_at: row.try_get(6)?,
+        };
+        let attempts = count(row.try_get(7)?);
+        let expired = count(row.try_get(8)?);
+        Ok(match row.try_get::<Option<String>, _>(9)? {
+            Some(subscriber) => Claim::Delivery {
+                event,
+                subscriber,
+                attempts,
+                expired,
+            },
+            None => Claim::Event {
+                event,
+                parked: attempts,
+                expired,
+                // NULL when no subscriber holds the aggregate back.
+                blocked: row
+                    .try_get::<Option<Vec<String>>, _>(10)?
+                    .unwrap_or_default(),
+            },
+        })
     };
-    let attempts: i32 = row.try_get(6)?;
-    let attempts = u32::try_from(attempts).unwrap_or(0);
-    Ok(match row.try_get::<Option<String>, _>(7)? {
-        Some(subscriber) => Claim::Delivery {
-            event,
-            subscriber,
-            attempts,
-        },
-        None => Claim::Event {
-            event,
-            parked: attempts,
-            // NULL when no subscriber holds the aggregate back.
-            blocked: row
-                .try_get::<Option<Vec<String>>, _>(8)?
-                .unwrap_or_default(),
-        },
-    })
+    Ok(read().unwrap_or_else(|error| Claim::Unreadable {
+        id,
+        aggregate: Some((aggregate_type.clone(), aggregate_id)),
+        reason: error.to_string(),
+    }))
+}
+
+fn count(value: i32) -> u32 {
+    u32::try_from(value).unwrap_or(0)
+}
+
+/// How old a claim must be before the events waiting behind it are set aside (out of the claim
+/// scan, until it ends): a claim is normally recorded within milliseconds, and setting its
+/// aggregates' later events aside would cost two writes each for nothing. One that lasts is a
+/// slow batch or a dead relay.
+fn hold_after(lease: Duration) -> Duration {
+    (lease / 4).min(Duration::from_secs(1))
+}
+
+/// The payload as JSONB takes it, and the exact text when JSONB cannot hold it: JSONB refuses
+/// the escape `\u0000` (a NUL in a string), so such a payload is stored exactly in
+/// `payload_text`, and in `payload` with U+FFFD in its place, for queries.
+fn jsonb_payload(payload: &str) -> (std::borrow::Cow<'_, str>, Option<&str>) {
+    if payload.contains("\\u0000") {
+        (payload.replace("\\u0000", "\\ufffd").into(), Some(payload))
+    } else {
+        (payload.into(), None)
+    }
 }
 
 /// The advisory lock key of an aggregate: publishers of one aggregate take ids one after the
@@ -885,12 +1233,14 @@ mod tests {
     }
 
     /// Another relay's claim holds its events' aggregates back: their later events are not
-    /// claimed until it is recorded or expires. Claims keep their aggregates since migration 4;
-    /// a claim written by a relay of an earlier version (no aggregates) must hold them back too.
+    /// claimed until it is recorded or expires. Claims written before migration 5 (with their
+    /// aggregate ids since migration 4, without before) are completed by the migration and hold
+    /// their aggregates back too.
     #[tokio::test]
-    async fn another_claim_holds_its_aggregates_back_with_or_without_their_ids() {
-        let db = migrated().await;
-        let queries = Postgres::queries(&TableNames::default());
+    async fn another_claim_holds_its_aggregates_back_also_one_written_before_migration_5() {
+        let db = TestDb::new().await;
+        let names = TableNames::default();
+        migrate_to(&db.pool, &names, 4).await.unwrap();
         let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
         let ids: Vec<i64> = sqlx::query_scalar(
             "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
@@ -903,25 +1253,24 @@ mod tests {
         .fetch_all(&db.pool)
         .await
         .unwrap();
-        // Event 0 (of a) in a claim as this version writes it; event 1 (of b) as an earlier one.
-        let first = Postgres::claim(&db.pool, &queries, 1, Duration::from_secs(60))
-            .await
-            .unwrap();
-        assert_eq!(first.len(), 1);
-        assert_eq!(first[0].event().id, ids[0]);
+        // Event 0 (of a) claimed as a version 4 relay did, event 1 (of b) as an earlier one.
         sqlx::query(
-            "INSERT INTO events.outbox_claims (until, event_ids)
-             VALUES (now() + interval '1 minute', ARRAY[$1::int8])",
+            "INSERT INTO events.outbox_claims (until, event_ids, aggregate_ids)
+             VALUES (now() + interval '1 minute', ARRAY[$1::int8], ARRAY[$2::uuid]),
+                    (now() + interval '1 minute', ARRAY[$3::int8], NULL)",
         )
+        .bind(ids[0])
+        .bind(a)
         .bind(ids[1])
         .execute(&db.pool)
         .await
         .unwrap();
-
-        let next = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
+        migrate_to(&db.pool, &names, 5).await.unwrap();
+        let queries = Postgres::queries(&names);
+        let batch = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
             .await
             .unwrap();
-        let claimed: Vec<i64> = next.iter().map(|claim| claim.event().id).collect();
+        let claimed: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
         assert_eq!(
             claimed,
             [ids[4]],
@@ -945,9 +1294,12 @@ mod tests {
              ANALYZE events.outbox;
              INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
              SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, {BACKLOG});
-             INSERT INTO events.outbox_claims (until, event_ids)
-             SELECT now() + interval '1 hour', array_agg(id) FROM (
-                 SELECT id FROM events.outbox WHERE published_at IS NULL ORDER BY id
+             INSERT INTO events.outbox_claims (until, event_ids, aggregate_types, aggregate_ids)
+             SELECT now() + interval '1 hour', array_agg(id), array_agg(aggregate_type),
+                    array_agg(aggregate_id)
+             FROM (
+                 SELECT id, aggregate_type, aggregate_id FROM events.outbox
+                 WHERE published_at IS NULL ORDER BY id
                  LIMIT {BATCH}) AS held;"
         )))
         .execute(&db.pool)
@@ -959,7 +1311,7 @@ mod tests {
         let mut tx = db.pool.begin().await.unwrap();
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET LOCAL plan_cache_mode = force_generic_plan;
-             PREPARE claim(int8, float8) AS {}",
+             PREPARE claim(int8, float8, float8) AS {}",
             queries.claim.as_str()
         )))
         .execute(&mut *tx)
@@ -967,7 +1319,7 @@ mod tests {
         .unwrap();
         // `json` is sent as its text; this crate does not enable sqlx's `json` feature.
         let explained: String = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({BATCH}, 30)"
+            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({BATCH}, 30, 1)"
         )))
         .fetch_one(&mut *tx)
         .await
@@ -977,7 +1329,8 @@ mod tests {
         tx.rollback().await.unwrap();
 
         let plan = &serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"];
-        assert_eq!(plan["Actual Rows"], BATCH, "the claim took a batch");
+        // A batch, and the row that says how many events were set aside.
+        assert_eq!(plan["Actual Rows"], BATCH + 1, "the claim took a batch");
         let read = rows_read(plan, "outbox");
         assert!(
             read <= (10 * BATCH) as f64,
@@ -1006,8 +1359,9 @@ mod tests {
                  FROM generate_series(1, {DELIVERIES})
                  RETURNING id, aggregate_id
              )
-             INSERT INTO events.outbox_deliveries (event_id, subscriber, aggregate_id)
-             SELECT id, 'down', aggregate_id FROM waiting;
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id)
+             SELECT id, 'down', 'a', aggregate_id FROM waiting;
              ANALYZE events.outbox_deliveries;"
         )))
         .execute(&db.pool)

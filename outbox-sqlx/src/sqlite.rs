@@ -9,7 +9,9 @@
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
-use outbox_core::store::{Claim, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status};
+use outbox_core::store::{
+    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Requeue, Status,
+};
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
 use sqlx::{AssertSqlSafe, Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool};
@@ -89,6 +91,48 @@ CREATE TABLE {skips} (
 CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
 "#,
     ),
+    (
+        4,
+        "fenced claims, events set aside behind a stuck aggregate, the aggregate type in every key",
+        r#"
+-- A claim's id is its token: renewals and outcomes name it and count only while it is live.
+CREATE TABLE {claims} (
+    id         INTEGER PRIMARY KEY AUTOINCREMENT,
+    until      INTEGER NOT NULL,
+    claimed_at INTEGER NOT NULL
+);
+-- Events held back behind an earlier event of their aggregate are set aside, out of the
+-- relay's scan: behind a claim that lasted (`held_by`, released when it is over) or behind a
+-- dead or parked event (`held_behind`, released when it is published, skipped or requeued).
+ALTER TABLE {outbox} ADD COLUMN claim_id INTEGER;
+ALTER TABLE {outbox} ADD COLUMN held_by INTEGER;
+ALTER TABLE {outbox} ADD COLUMN held_behind INTEGER;
+ALTER TABLE {outbox} ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE {outbox} DROP COLUMN claimed_until;
+DROP INDEX {pending_idx};
+CREATE INDEX {pending_idx} ON {outbox} (id)
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+      AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL;
+CREATE INDEX {parked_idx} ON {outbox} (next_retry_at)
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NOT NULL;
+CREATE INDEX {held_by_idx} ON {outbox} (held_by) WHERE held_by IS NOT NULL;
+CREATE INDEX {held_behind_idx} ON {outbox} (held_behind) WHERE held_behind IS NOT NULL;
+CREATE INDEX {claim_idx} ON {outbox} (claim_id) WHERE claim_id IS NOT NULL;
+DROP INDEX {aggregate_idx};
+CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, aggregate_type, id)
+    WHERE published_at IS NULL;
+
+ALTER TABLE {deliveries} ADD COLUMN aggregate_type TEXT NOT NULL DEFAULT '';
+UPDATE {deliveries} SET aggregate_type = coalesce(
+    (SELECT o.aggregate_type FROM {outbox} AS o WHERE o.id = {deliveries}.event_id), '');
+ALTER TABLE {deliveries} ADD COLUMN claim_id INTEGER;
+ALTER TABLE {deliveries} ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
+ALTER TABLE {deliveries} DROP COLUMN claimed_until;
+DROP INDEX {deliveries_head_idx};
+CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, aggregate_type, event_id);
+CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -96,16 +140,30 @@ CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
 #[derive(Debug)]
 pub struct SqliteQueries {
     insert: SqlStr,
+    expired: SqlStr,
+    expire_events: SqlStr,
+    expire_deliveries: SqlStr,
+    expire_holds: SqlStr,
+    expire_claims: SqlStr,
+    candidates: SqlStr,
+    mark: SqlStr,
+    due_deliveries: SqlStr,
+    new_claim: SqlStr,
     claim_events: SqlStr,
     claim_deliveries: SqlStr,
     events_by_id: SqlStr,
+    renew: SqlStr,
+    hold_claim: SqlStr,
+    end_claim: SqlStr,
     publish: SqlStr,
+    unhold_behind: SqlStr,
     park: SqlStr,
     kill: SqlStr,
-    release: SqlStr,
+    release_events: SqlStr,
+    unhold_by: SqlStr,
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
-    release_delivery: SqlStr,
+    release_deliveries: SqlStr,
     requeue_events: SqlStr,
     requeue_event_deliveries: SqlStr,
     requeue_subscriber: SqlStr,
@@ -136,13 +194,22 @@ fn after(delay: Duration) -> i64 {
     now().saturating_add(i64::try_from(delay.as_micros()).unwrap_or(i64::MAX))
 }
 
+/// How old a claim must be before the events waiting behind it are set aside; as on
+/// PostgreSQL.
+fn hold_after(lease: Duration) -> Duration {
+    (lease / 4).min(Duration::from_secs(1))
+}
+
 impl Backend for Sqlite {
     type Queries = SqliteQueries;
 
     fn queries(names: &TableNames) -> SqliteQueries {
         let outbox = names.local("");
         let deliveries = names.local("_deliveries");
+        let claims = names.local("_claims");
         let skips = names.local("_skips");
+        // Stalled: the event holds its aggregate's later events back for every subscriber.
+        let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
         SqliteQueries {
             insert: sql(format!(
                 r#"
@@ -152,101 +219,164 @@ SELECT json_extract(value, '$.t'), unhex(json_extract(value, '$.a')), json_extra
 FROM json_each($1)
 ORDER BY key"#
             )),
-            claim_events: sql(format!(
+            expired: sql(format!("SELECT count(*) FROM {claims} WHERE until < $1")),
+            expire_events: sql(format!(
+                "UPDATE {outbox} SET claim_id = NULL, expired_claims = expired_claims + 1
+                 WHERE claim_id IN ({expired_ids}) AND published_at IS NULL"
+            )),
+            expire_deliveries: sql(format!(
+                "UPDATE {deliveries} SET claim_id = NULL, expired_claims = expired_claims + 1
+                 WHERE claim_id IN ({expired_ids})"
+            )),
+            expire_holds: sql(format!(
+                "UPDATE {outbox} SET held_by = NULL WHERE held_by IN ({expired_ids})"
+            )),
+            expire_claims: sql(format!("DELETE FROM {claims} WHERE until < $1")),
+            // The next pending events nothing holds, in id order, and the parked ones due; each
+            // with the first earlier unpublished event of its aggregate that is not a candidate
+            // (what it must wait for), and that event's claim and holds.
+            candidates: sql(format!(
                 r#"
-WITH candidates AS (
-    SELECT id, aggregate_id FROM {outbox}
-    WHERE published_at IS NULL AND dead_at IS NULL
-      AND (next_retry_at IS NULL OR next_retry_at <= $1)
-      AND (claimed_until IS NULL OR claimed_until < $1)
+WITH scanned AS (
+    SELECT id, aggregate_type, aggregate_id FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+      AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
     ORDER BY id
     LIMIT $2
+),
+due_parked AS (
+    SELECT id, aggregate_type, aggregate_id FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at <= $1
+      AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
+    ORDER BY next_retry_at
+    LIMIT $2
+),
+candidates AS MATERIALIZED (
+    SELECT * FROM scanned UNION ALL SELECT * FROM due_parked
+),
+blockers AS (
+    SELECT c.id, (
+        SELECT e.id FROM {outbox} AS e
+        WHERE e.aggregate_id = c.aggregate_id AND e.aggregate_type = c.aggregate_type
+          AND e.published_at IS NULL AND e.id < c.id
+          AND e.id NOT IN (SELECT id FROM candidates)
+        ORDER BY e.id
+        LIMIT 1
+    ) AS blocker
+    FROM candidates AS c
 )
-UPDATE {outbox} SET claimed_until = $3
-WHERE id IN (
-    SELECT c.id FROM candidates AS c
-    WHERE NOT EXISTS (
-        SELECT 1 FROM {outbox} AS e
-        WHERE e.aggregate_id = c.aggregate_id AND e.id < c.id AND e.published_at IS NULL
-          AND e.id NOT IN (SELECT id FROM candidates)))
+SELECT b.id, b.blocker, e.claim_id, k.claimed_at, e.held_by, e.held_behind
+FROM blockers AS b
+LEFT JOIN {outbox} AS e ON e.id = b.blocker
+LEFT JOIN {claims} AS k ON k.id = e.claim_id
+ORDER BY b.id"#
+            )),
+            mark: sql(format!(
+                r#"
+UPDATE {outbox} SET held_by = json_extract(m.value, '$[1]'),
+                    held_behind = json_extract(m.value, '$[2]')
+FROM json_each($1) AS m
+WHERE {outbox}.id = json_extract(m.value, '$[0]')"#
+            )),
+            due_deliveries: sql(format!(
+                r#"
+SELECT d.subscriber, d.event_id FROM {deliveries} AS d
+WHERE d.dead_at IS NULL AND d.next_retry_at <= $1 AND d.claim_id IS NULL
+  AND NOT EXISTS (
+      SELECT 1 FROM {deliveries} AS h
+      WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
+        AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
+ORDER BY d.event_id
+LIMIT $2"#
+            )),
+            new_claim: sql(format!(
+                "INSERT INTO {claims} (until, claimed_at) VALUES ($1, $2) RETURNING id"
+            )),
+            claim_events: sql(format!(
+                r#"
+UPDATE {outbox} SET claim_id = $2
+WHERE id IN (SELECT value FROM json_each($1))
 RETURNING id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count,
+          expired_claims,
           (SELECT json_group_array(DISTINCT d.subscriber) FROM {deliveries} AS d
-           WHERE d.aggregate_id = {outbox}.aggregate_id) AS blocked"#
+           WHERE d.aggregate_id = {outbox}.aggregate_id
+             AND d.aggregate_type = {outbox}.aggregate_type) AS blocked"#
             )),
             claim_deliveries: sql(format!(
                 r#"
-WITH due AS (
-    SELECT d.subscriber, d.event_id FROM {deliveries} AS d
-    WHERE d.dead_at IS NULL AND d.next_retry_at <= $1
-      AND (d.claimed_until IS NULL OR d.claimed_until < $1)
-      AND NOT EXISTS (
-          SELECT 1 FROM {deliveries} AS h
-          WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
-            AND h.event_id < d.event_id)
-    ORDER BY d.event_id
-    LIMIT $2
-)
-UPDATE {deliveries} SET claimed_until = $3
-WHERE (subscriber, event_id) IN (SELECT subscriber, event_id FROM due)
-RETURNING subscriber, event_id, attempts"#
+UPDATE {deliveries} SET claim_id = $2
+WHERE (subscriber, event_id) IN (
+    SELECT json_extract(value, '$[0]'), json_extract(value, '$[1]') FROM json_each($1))
+RETURNING subscriber, event_id, attempts, expired_claims"#
             )),
             events_by_id: sql(format!(
                 r#"
 SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at FROM {outbox}
 WHERE id IN (SELECT value FROM json_each($1))"#
             )),
+            renew: sql(format!(
+                "UPDATE {claims} SET until = $2 WHERE id = $1 AND until >= $3"
+            )),
+            hold_claim: sql(format!(
+                "UPDATE {claims} SET until = until WHERE id = $1 AND until >= $2"
+            )),
+            end_claim: sql(format!(
+                "DELETE FROM {claims} WHERE id = $1 AND until >= $2 RETURNING id"
+            )),
             publish: sql(format!(
-                "UPDATE {outbox} SET published_at = $1, claimed_until = NULL
+                "UPDATE {outbox} SET published_at = $1, claim_id = NULL
                  WHERE id IN (SELECT value FROM json_each($2))"
+            )),
+            unhold_behind: sql(format!(
+                "UPDATE {outbox} SET held_behind = NULL
+                 WHERE held_behind IN (SELECT value FROM json_each($1))"
             )),
             park: sql(format!(
                 "UPDATE {outbox}
                  SET retry_count = retry_count + 1, last_error = $2, next_retry_at = $3,
-                     claimed_until = NULL
+                     claim_id = NULL
                  WHERE id = $1"
             )),
             kill: sql(format!(
-                "UPDATE {outbox} SET dead_at = $3, last_error = $2, claimed_until = NULL
+                "UPDATE {outbox} SET dead_at = $3, last_error = $2, claim_id = NULL
                  WHERE id = $1"
             )),
-            release: sql(format!(
-                "UPDATE {outbox} SET claimed_until = NULL
-                 WHERE id IN (SELECT value FROM json_each($1))"
+            release_events: sql(format!(
+                "UPDATE {outbox} SET claim_id = NULL WHERE claim_id = $1"
+            )),
+            unhold_by: sql(format!(
+                "UPDATE {outbox} SET held_by = NULL WHERE held_by = $1"
             )),
             delete_delivery: sql(format!(
-                "DELETE FROM {deliveries} WHERE subscriber = $1 AND event_id = $2"
+                "DELETE FROM {deliveries} WHERE subscriber = $1 AND event_id = $2 AND claim_id = $3"
             )),
             upsert_delivery: sql(format!(
                 "INSERT INTO {deliveries}
-                     (event_id, subscriber, aggregate_id, attempts, last_error, next_retry_at,
-                      dead_at)
-                 VALUES ($1, $2, $3, $4, $5, $6, $7)
+                     (event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error,
+                      next_retry_at, dead_at)
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8)
                  ON CONFLICT (subscriber, event_id) DO UPDATE
                  SET attempts = excluded.attempts, last_error = excluded.last_error,
                      next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at,
-                     claimed_until = NULL"
+                     claim_id = NULL"
             )),
-            release_delivery: sql(format!(
-                "UPDATE {deliveries} SET claimed_until = NULL
-                 WHERE subscriber = $1 AND event_id = $2"
+            release_deliveries: sql(format!(
+                "UPDATE {deliveries} SET claim_id = NULL WHERE claim_id = $1"
             )),
             requeue_events: sql(format!(
                 "UPDATE {outbox}
-                 SET dead_at = NULL, next_retry_at = NULL, retry_count = 0, last_error = NULL,
-                     claimed_until = NULL
+                 SET dead_at = NULL, next_retry_at = NULL, retry_count = 0, last_error = NULL
                  WHERE id IN (SELECT value FROM json_each($1)) AND published_at IS NULL
                    AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)"
             )),
             requeue_event_deliveries: sql(format!(
                 "UPDATE {deliveries}
-                 SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL,
-                     claimed_until = NULL
+                 SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
                  WHERE event_id IN (SELECT value FROM json_each($1)) AND dead_at IS NOT NULL"
             )),
             requeue_subscriber: sql(format!(
                 "UPDATE {deliveries}
-                 SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL,
-                     claimed_until = NULL
+                 SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
                  WHERE subscriber = $1 AND dead_at IS NOT NULL"
             )),
             dead_letters: sql(format!(
@@ -268,13 +398,21 @@ SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS 
        (SELECT count(*) FROM {deliveries} WHERE dead_at IS NULL),
        (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NOT NULL)
          + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL),
-       (SELECT count(*) FROM (SELECT DISTINCT subscriber, aggregate_id FROM {deliveries}))"#
+       (SELECT count(*) FROM (
+            SELECT DISTINCT subscriber, aggregate_type, aggregate_id FROM {deliveries})),
+       (SELECT count(*) FROM (
+            SELECT DISTINCT aggregate_type, aggregate_id FROM {outbox}
+            WHERE published_at IS NULL
+              AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+                   OR held_by IS NOT NULL OR held_behind IS NOT NULL))),
+       (SELECT count(*) FROM {outbox} WHERE held_by IS NOT NULL)
+         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL)"#
             )),
             subscribers: sql(subscribers_query(&deliveries)),
             skip_delivery: sql(format!(
                 r#"
 DELETE FROM {deliveries}
-WHERE event_id = $1 AND subscriber = $2 AND (claimed_until IS NULL OR claimed_until < $3)
+WHERE event_id = $1 AND subscriber = $2 AND claim_id IS NULL
 RETURNING attempts, last_error"#
             )),
             skip_event: sql(format!(
@@ -282,7 +420,7 @@ RETURNING attempts, last_error"#
 UPDATE {outbox} SET published_at = $2, dead_at = NULL, next_retry_at = NULL
 WHERE id = $1 AND published_at IS NULL
   AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
-  AND (claimed_until IS NULL OR claimed_until < $2)
+  AND claim_id IS NULL
 RETURNING retry_count AS attempts, last_error"#
             )),
             record_skip: sql(format!(
@@ -376,32 +514,112 @@ DELETE FROM {outbox} WHERE id IN (
         queries: &SqliteQueries,
         limit: u32,
         lease: Duration,
-    ) -> Result<Vec<Claim>, sqlx::Error> {
-        let (now, until) = (now(), after(lease));
+    ) -> Result<Batch, sqlx::Error> {
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let event_rows = sqlx::query(queries.claim_events.clone())
+        // The lease runs from when the write lock is granted.
+        let now = now();
+        let until = now.saturating_add(i64::try_from(lease.as_micros()).unwrap_or(i64::MAX));
+        let old = now.saturating_sub(i64::try_from(hold_after(lease).as_micros()).unwrap_or(0));
+
+        // Expired claims end: their work is free again, and counts a redelivery.
+        let expired: i64 = sqlx::query_scalar(queries.expired.clone())
             .bind(now)
-            .bind(i64::from(limit))
-            .bind(until)
-            .fetch_all(&mut *tx)
+            .fetch_one(&mut *tx)
             .await?;
-        let delivery_rows = sqlx::query(queries.claim_deliveries.clone())
-            .bind(now)
-            .bind(i64::from(limit))
-            .bind(until)
-            .fetch_all(&mut *tx)
-            .await?;
-        let mut claims = Vec::with_capacity(event_rows.len() + delivery_rows.len());
-        for row in &event_rows {
-            let blocked: String = row.try_get("blocked")?;
-            claims.push(Claim::Event {
-                event: stored_event(row)?,
-                parked: count(row.try_get("retry_count")?),
-                blocked: serde_json::from_str(&blocked)
-                    .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
-            });
+        if expired > 0 {
+            for query in [
+                &queries.expire_events,
+                &queries.expire_deliveries,
+                &queries.expire_holds,
+                &queries.expire_claims,
+            ] {
+                sqlx::query(query.clone())
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+            }
         }
-        if !delivery_rows.is_empty() {
+
+        // Which candidates wait, and which of those are set aside (and behind what).
+        let rows = sqlx::query(queries.candidates.clone())
+            .bind(now)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        let mut claimable = Vec::new();
+        let mut marks = Vec::new();
+        for row in &rows {
+            let id: i64 = row.try_get(0)?;
+            let Some(blocker) = row.try_get::<Option<i64>, _>(1)? else {
+                if claimable.len() < usize::try_from(limit).unwrap_or(usize::MAX) {
+                    claimable.push(id);
+                }
+                continue;
+            };
+            let claim: Option<i64> = row.try_get(2)?;
+            let claimed_at: Option<i64> = row.try_get(3)?;
+            let (held_by, held_behind): (Option<i64>, Option<i64>) =
+                (row.try_get(4)?, row.try_get(5)?);
+            let mark = match claim {
+                // Behind a claim: set aside only once the claim has lasted.
+                Some(claim) => claimed_at
+                    .filter(|at| *at < old)
+                    .map(|_| (Some(claim), None)),
+                None if held_by.is_some() || held_behind.is_some() => Some((held_by, held_behind)),
+                // Behind a dead or parked event.
+                None => Some((None, Some(blocker))),
+            };
+            if let Some((by, behind)) = mark {
+                marks.push(json!([id, by, behind]));
+            }
+        }
+        if !marks.is_empty() {
+            sqlx::query(queries.mark.clone())
+                .bind(serde_json::Value::Array(marks.clone()).to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
+        let due = sqlx::query(queries.due_deliveries.clone())
+            .bind(now)
+            .bind(i64::from(limit))
+            .fetch_all(&mut *tx)
+            .await?;
+        if claimable.is_empty() && due.is_empty() {
+            tx.commit().await?;
+            return Ok(Batch::empty().with_more(!marks.is_empty()));
+        }
+        let token: i64 = sqlx::query_scalar(queries.new_claim.clone())
+            .bind(until)
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await?;
+
+        let mut claims = Vec::with_capacity(claimable.len() + due.len());
+        if !claimable.is_empty() {
+            let event_rows = sqlx::query(queries.claim_events.clone())
+                .bind(json!(claimable).to_string())
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
+            for row in &event_rows {
+                claims.push(event_claim(row)?);
+            }
+        }
+        if !due.is_empty() {
+            let keys: Vec<serde_json::Value> = due
+                .iter()
+                .map(|row| {
+                    Ok(json!([
+                        row.try_get::<String, _>(0)?,
+                        row.try_get::<i64, _>(1)?
+                    ]))
+                })
+                .collect::<Result<_, sqlx::Error>>()?;
+            let delivery_rows = sqlx::query(queries.claim_deliveries.clone())
+                .bind(serde_json::Value::Array(keys).to_string())
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
             let ids: Vec<i64> = delivery_rows
                 .iter()
                 .map(|row| row.try_get("event_id"))
@@ -409,39 +627,88 @@ DELETE FROM {outbox} WHERE id IN (
             let events = sqlx::query(queries.events_by_id.clone())
                 .bind(json!(ids).to_string())
                 .fetch_all(&mut *tx)
-                .await?
-                .iter()
-                .map(stored_event)
-                .collect::<Result<Vec<_>, _>>()?;
+                .await?;
             for row in &delivery_rows {
                 let id: i64 = row.try_get("event_id")?;
-                let Some(event) = events.iter().find(|e| e.id == id) else {
+                let Some(event) = events
+                    .iter()
+                    .find(|e| e.try_get::<i64, _>("id").is_ok_and(|e| e == id))
+                else {
                     continue;
                 };
-                claims.push(Claim::Delivery {
-                    event: event.clone(),
-                    subscriber: row.try_get("subscriber")?,
-                    attempts: count(row.try_get("attempts")?),
+                claims.push(match stored_event(event) {
+                    Ok(event) => Claim::Delivery {
+                        event,
+                        subscriber: row.try_get("subscriber")?,
+                        attempts: count(row.try_get("attempts")?),
+                        expired: count(row.try_get("expired_claims")?),
+                    },
+                    Err(error) => unreadable(event, &error),
                 });
             }
         }
         tx.commit().await?;
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(claims)
+        Ok(Batch::new(ClaimToken::new(token), claims).with_more(!marks.is_empty()))
+    }
+
+    async fn renew(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        token: ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, sqlx::Error> {
+        let renewed = sqlx::query(queries.renew.clone())
+            .bind(token.get())
+            .bind(after(lease))
+            .bind(now())
+            .execute(pool)
+            .await?
+            .rows_affected();
+        Ok(renewed == 1)
+    }
+
+    async fn hold_claim(
+        conn: &mut SqliteConnection,
+        queries: &SqliteQueries,
+        token: ClaimToken,
+    ) -> Result<bool, sqlx::Error> {
+        // A write to the claim takes the database's write lock for the rest of the transaction:
+        // no claim can end it as expired meanwhile. (The write changes nothing.)
+        let held = sqlx::query(queries.hold_claim.clone())
+            .bind(token.get())
+            .bind(now())
+            .execute(conn)
+            .await?
+            .rows_affected();
+        Ok(held == 1)
     }
 
     async fn record(
         pool: &SqlitePool,
         queries: &SqliteQueries,
+        token: ClaimToken,
         outcomes: &Outcomes,
-    ) -> Result<(), sqlx::Error> {
+    ) -> Result<Recorded, sqlx::Error> {
         let now = now();
+        let token = token.get();
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let (mut published, mut released) = (Vec::new(), Vec::new());
+        let live = sqlx::query(queries.end_claim.clone())
+            .bind(token)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?
+            .is_some();
+        if !live {
+            tx.rollback().await?;
+            return Ok(Recorded::Lost);
+        }
+        let mut published = Vec::new();
         for (id, outcome) in &outcomes.events {
             match outcome {
                 EventOutcome::Published => published.push(*id),
-                EventOutcome::Released => released.push(*id),
+                // Ending the claim gives the event back.
+                EventOutcome::Released => {}
                 EventOutcome::Parked { reason, retry_in } => {
                     sqlx::query(queries.park.clone())
                         .bind(id)
@@ -461,15 +728,21 @@ DELETE FROM {outbox} WHERE id IN (
             }
         }
         if !published.is_empty() {
+            let published = json!(published).to_string();
             sqlx::query(queries.publish.clone())
                 .bind(now)
-                .bind(json!(published).to_string())
+                .bind(&published)
+                .execute(&mut *tx)
+                .await?;
+            // Events set aside behind a parked event that is published now.
+            sqlx::query(queries.unhold_behind.clone())
+                .bind(&published)
                 .execute(&mut *tx)
                 .await?;
         }
-        if !released.is_empty() {
-            sqlx::query(queries.release.clone())
-                .bind(json!(released).to_string())
+        for query in [&queries.release_events, &queries.unhold_by] {
+            sqlx::query(query.clone())
+                .bind(token)
                 .execute(&mut *tx)
                 .await?;
         }
@@ -478,6 +751,7 @@ DELETE FROM {outbox} WHERE id IN (
                 sqlx::query(queries.upsert_delivery.clone())
                     .bind(d.event_id)
                     .bind(d.subscriber.clone())
+                    .bind(d.aggregate_type.clone())
                     .bind(d.aggregate_id)
                     .bind(i64::from(attempts))
                     .bind(error.cloned())
@@ -487,10 +761,10 @@ DELETE FROM {outbox} WHERE id IN (
             let query = match &d.outcome {
                 DeliveryOutcome::Delivered => sqlx::query(queries.delete_delivery.clone())
                     .bind(d.subscriber.clone())
-                    .bind(d.event_id),
-                DeliveryOutcome::Released => sqlx::query(queries.release_delivery.clone())
-                    .bind(d.subscriber.clone())
-                    .bind(d.event_id),
+                    .bind(d.event_id)
+                    .bind(token),
+                // Released below, with whatever else this claim holds.
+                DeliveryOutcome::Released => continue,
                 DeliveryOutcome::Waiting => upsert(0, None, now, None),
                 DeliveryOutcome::Retry {
                     attempts,
@@ -503,7 +777,12 @@ DELETE FROM {outbox} WHERE id IN (
             };
             query.execute(&mut *tx).await?;
         }
-        tx.commit().await
+        sqlx::query(queries.release_deliveries.clone())
+            .bind(token)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(Recorded::Applied)
     }
 
     async fn purge_published(
@@ -545,11 +824,14 @@ DELETE FROM {outbox} WHERE id IN (
     }
 
     async fn status(pool: &SqlitePool, queries: &SqliteQueries) -> Result<Status, sqlx::Error> {
-        let (events, oldest, deliveries, dead, blocked): (i64, Option<i64>, i64, i64, i64) =
+        type Row = (i64, Option<i64>, i64, i64, i64, i64, i64);
+        let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
             sqlx::query_as(queries.status.clone())
                 .fetch_one(pool)
                 .await?;
         let mut status = Status::default();
+        status.blocked_aggregates = row_count(aggregates);
+        status.held_events = row_count(held);
         status.pending_events = row_count(events);
         status.oldest_pending_age = oldest.map(|occurred| {
             Duration::from_micros(u64::try_from(now().saturating_sub(occurred)).unwrap_or(0))
@@ -586,7 +868,6 @@ DELETE FROM {outbox} WHERE id IN (
                 sqlx::query(queries.skip_delivery.clone())
                     .bind(event_id)
                     .bind(subscriber)
-                    .bind(now)
                     .fetch_optional(&mut *tx)
                     .await?
             }
@@ -601,6 +882,12 @@ DELETE FROM {outbox} WHERE id IN (
         let Some(row) = gone else {
             return Ok(false);
         };
+        if subscriber.is_none() {
+            sqlx::query(queries.unhold_behind.clone())
+                .bind(json!([event_id]).to_string())
+                .execute(&mut *tx)
+                .await?;
+        }
         sqlx::query(queries.record_skip.clone())
             .bind(event_id)
             .bind(subscriber)
@@ -642,6 +929,11 @@ DELETE FROM {outbox} WHERE id IN (
                     .execute(&mut *tx)
                     .await?
                     .rows_affected();
+                // What waited behind them is claimed again with them, in order.
+                sqlx::query(queries.unhold_behind.clone())
+                    .bind(&ids)
+                    .execute(&mut *tx)
+                    .await?;
                 tx.commit().await?;
                 Ok(events + deliveries)
             }
@@ -657,6 +949,38 @@ DELETE FROM {outbox} WHERE id IN (
 
 fn count(value: i64) -> u32 {
     u32::try_from(value).unwrap_or(0)
+}
+
+/// A claimed event row; one whose values this build cannot read becomes [`Claim::Unreadable`].
+fn event_claim(row: &SqliteRow) -> Result<Claim, sqlx::Error> {
+    let read = || -> Result<Claim, sqlx::Error> {
+        let blocked: String = row.try_get("blocked")?;
+        Ok(Claim::Event {
+            event: stored_event(row)?,
+            parked: count(row.try_get("retry_count")?),
+            expired: count(row.try_get("expired_claims")?),
+            blocked: serde_json::from_str(&blocked)
+                .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
+        })
+    };
+    match read() {
+        Ok(claim) => Ok(claim),
+        Err(error) => Ok(unreadable(row, &error)),
+    }
+}
+
+/// A row that cannot be read: its id (an integer primary key, always readable) and, when it can
+/// be read, its aggregate.
+fn unreadable(row: &SqliteRow, error: &sqlx::Error) -> Claim {
+    let aggregate = row
+        .try_get::<String, _>("aggregate_type")
+        .ok()
+        .zip(row.try_get::<Uuid, _>("aggregate_id").ok());
+    Claim::Unreadable {
+        id: row.try_get("id").unwrap_or_default(),
+        aggregate,
+        reason: error.to_string(),
+    }
 }
 
 fn stored_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {

@@ -18,10 +18,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::store::{Claim, Outcomes, Requeue, Status};
+use outbox_core::store::{Batch, Outcomes, Recorded, Requeue, Status};
 use outbox_core::{
-    Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Retention, Store, StoreError,
-    router, subscriber,
+    ClaimToken, Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Retention, Store,
+    StoreError, router, subscriber,
 };
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
@@ -312,14 +312,19 @@ struct Counting<S> {
 }
 
 impl<S: Store> Store for Counting<S> {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Vec<Claim>, StoreError> {
+    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
         self.commits.fetch_add(1, Ordering::Relaxed);
         self.inner.claim(limit, lease).await
     }
 
-    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+    async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {
         self.commits.fetch_add(1, Ordering::Relaxed);
-        self.inner.record(outcomes).await
+        self.inner.renew(token, lease).await
+    }
+
+    async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.inner.record(token, outcomes).await
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {

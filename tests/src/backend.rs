@@ -10,6 +10,7 @@ use std::str::FromStr;
 use std::time::Duration;
 
 use outbox_sqlx::{Backend, Outbox, OutboxTx};
+use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Pool, Postgres, Row, Sqlite};
 use time::OffsetDateTime;
@@ -71,6 +72,12 @@ pub trait TestBackend: Backend + Sized {
     /// A fresh, empty database and a pool on it.
     fn fresh() -> impl Future<Output = (Self::Guard, Pool<Self>)> + Send;
 
+    /// The URL of the database of `guard`.
+    fn url(guard: &Self::Guard) -> String;
+
+    /// Another pool on the database at `url`: for a relay of its own, on another runtime say.
+    fn connect(url: String) -> impl Future<Output = Pool<Self>> + Send;
+
     /// Every event row, in id order.
     fn events(pool: &Pool<Self>) -> impl Future<Output = Vec<EventRow>> + Send;
 
@@ -130,12 +137,24 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 4;
+    const LATEST_MIGRATION: i32 = 5;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
         let pool = db.pool.clone();
         (db, pool)
+    }
+
+    fn url(guard: &TestDb) -> String {
+        guard.url()
+    }
+
+    async fn connect(url: String) -> Pool<Postgres> {
+        PgPoolOptions::new()
+            .max_connections(5)
+            .connect(&url)
+            .await
+            .expect("connect to the test database")
     }
 
     async fn events(pool: &Pool<Postgres>) -> Vec<EventRow> {
@@ -276,28 +295,47 @@ impl TestBackend for Postgres {
 
 /// A SQLite database file in a directory of its own, removed when dropped.
 pub struct SqliteFile {
-    _dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+}
+
+impl SqliteFile {
+    fn url(&self) -> String {
+        format!("sqlite://{}", self.dir.path().join("outbox.db").display())
+    }
+
+    async fn pool(url: &str) -> Pool<Sqlite> {
+        let options = SqliteConnectOptions::from_str(url)
+            .expect("a SQLite URL")
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(Duration::from_secs(10));
+        SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .expect("open the SQLite file")
+    }
 }
 
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
-    const LATEST_MIGRATION: i32 = 3;
+    const LATEST_MIGRATION: i32 = 4;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
-        let dir = tempfile::tempdir().expect("a temporary directory");
-        let path = dir.path().join("outbox.db");
-        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-            .expect("a SQLite URL")
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .busy_timeout(Duration::from_secs(10));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(options)
-            .await
-            .expect("open the SQLite file");
-        (SqliteFile { _dir: dir }, pool)
+        let file = SqliteFile {
+            dir: tempfile::tempdir().expect("a temporary directory"),
+        };
+        let pool = SqliteFile::pool(&file.url()).await;
+        (file, pool)
+    }
+
+    fn url(guard: &SqliteFile) -> String {
+        guard.url()
+    }
+
+    async fn connect(url: String) -> Pool<Sqlite> {
+        SqliteFile::pool(&url).await
     }
 
     async fn events(pool: &Pool<Sqlite>) -> Vec<EventRow> {

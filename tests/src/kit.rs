@@ -76,6 +76,39 @@ pub enum Fail {
         /// The handler returns once this is notified.
         release: Arc<tokio::sync::Notify>,
     },
+    /// Freezes the handler's thread (a blocking wait, as a stalled process or a handler that
+    /// blocks its runtime would): sends on `entered`, blocks until `release` receives, then does
+    /// what `then` says (`None`: succeeds). Nothing else runs on that thread meanwhile: no
+    /// timeout, no lease renewal.
+    Freeze {
+        /// Told when the handler starts.
+        entered: std::sync::mpsc::SyncSender<()>,
+        /// The handler's thread blocks until this receives.
+        release: Arc<Mutex<std::sync::mpsc::Receiver<()>>>,
+        /// What the call does once released.
+        then: Option<Box<Fail>>,
+    },
+}
+
+impl Fail {
+    /// A [`Fail::Freeze`] and the two ends the test holds: the receiver told when the handler
+    /// is frozen, and the sender that releases it.
+    pub fn freeze(
+        then: Option<Fail>,
+    ) -> (
+        Fail,
+        std::sync::mpsc::Receiver<()>,
+        std::sync::mpsc::SyncSender<()>,
+    ) {
+        let (entered_tx, entered_rx) = std::sync::mpsc::sync_channel(1);
+        let (release_tx, release_rx) = std::sync::mpsc::sync_channel(1);
+        let fail = Fail::Freeze {
+            entered: entered_tx,
+            release: Arc::new(Mutex::new(release_rx)),
+            then: then.map(Box::new),
+        };
+        (fail, entered_rx, release_tx)
+    }
 }
 
 /// Scripted failures per (subscriber, aggregate, seq).
@@ -130,12 +163,22 @@ impl Probe {
 
     async fn handle(&self, seen: Seen) -> Result<(), HandlerError> {
         let key = (seen.subscriber.clone(), seen.aggregate, seen.seq);
-        let fail = self
+        let mut fail = self
             .script
             .lock()
             .unwrap()
             .get_mut(&key)
             .and_then(VecDeque::pop_front);
+        if let Some(Fail::Freeze {
+            entered,
+            release,
+            then,
+        }) = fail
+        {
+            let _ = entered.send(());
+            let _ = release.lock().unwrap().recv();
+            fail = then.map(|then| *then);
+        }
         let result = match fail {
             None => Ok(()),
             Some(Fail::Transient) => Err(HandlerError::transient("scripted transient failure")),
@@ -149,6 +192,7 @@ impl Probe {
                 release.notified().await;
                 Ok(())
             }
+            Some(Fail::Freeze { .. }) => unreachable!("a freeze is handled above"),
         };
         self.log(seen, result.is_ok());
         result
@@ -353,19 +397,28 @@ impl<S: Store> Store for WatchedStore<S> {
         &self,
         limit: u32,
         lease: Duration,
-    ) -> Result<Vec<outbox_core::store::Claim>, outbox_core::StoreError> {
-        let claims = self.inner.claim(limit, lease).await?;
-        if claims.is_empty() {
+    ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
+        let batch = self.inner.claim(limit, lease).await?;
+        if batch.is_empty() {
             self.idle.notify_one();
         }
-        Ok(claims)
+        Ok(batch)
+    }
+
+    async fn renew(
+        &self,
+        token: outbox_core::ClaimToken,
+        lease: Duration,
+    ) -> Result<bool, outbox_core::StoreError> {
+        self.inner.renew(token, lease).await
     }
 
     async fn record(
         &self,
+        token: outbox_core::ClaimToken,
         outcomes: &outbox_core::store::Outcomes,
-    ) -> Result<(), outbox_core::StoreError> {
-        self.inner.record(outcomes).await
+    ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
+        self.inner.record(token, outcomes).await
     }
 
     async fn requeue(

@@ -4,8 +4,8 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use outbox_core::store::{Claim, EventOutcome, Outcomes, Requeue, Status};
-use outbox_core::{Relay, RelayConfig, Router, Store, StoreError, StoredEvent};
+use outbox_core::store::{Batch, Claim, EventOutcome, Outcomes, Recorded, Requeue, Status};
+use outbox_core::{ClaimToken, Relay, RelayConfig, Router, Store, StoreError, StoredEvent};
 use outbox_tests::seed::{Calls, billing};
 use proptest::prelude::*;
 use serde_json::{Value, json};
@@ -84,13 +84,18 @@ struct OneBatch {
 }
 
 impl Store for OneBatch {
-    async fn claim(&self, _: u32, _: Duration) -> Result<Vec<Claim>, StoreError> {
-        Ok(self.claims.lock().unwrap().take().unwrap_or_default())
+    async fn claim(&self, _: u32, _: Duration) -> Result<Batch, StoreError> {
+        let claims = self.claims.lock().unwrap().take().unwrap_or_default();
+        Ok(Batch::new(ClaimToken::new(1), claims))
     }
 
-    async fn record(&self, outcomes: &Outcomes) -> Result<(), StoreError> {
+    async fn renew(&self, _: ClaimToken, _: Duration) -> Result<bool, StoreError> {
+        Ok(true)
+    }
+
+    async fn record(&self, _: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
         self.recorded.lock().unwrap().push(outcomes.clone());
-        Ok(())
+        Ok(Recorded::Applied)
     }
 
     async fn requeue(&self, _: &Requeue) -> Result<u64, StoreError> {
@@ -148,10 +153,11 @@ proptest! {
             .map(|((event_type, payload), id)| Claim::Event {
                 event: stored(id, event_type, payload),
                 parked: 0,
+                expired: 0,
                 blocked: Vec::new(),
             })
             .collect();
-        let ids: Vec<i64> = claims.iter().map(|c| c.event().id).collect();
+        let ids: Vec<i64> = claims.iter().map(Claim::event_id).collect();
         let store = OneBatch { claims: Mutex::new(Some(claims)), recorded: Mutex::default() };
         let relay = Relay::new(store, billing(&Calls::default()), RelayConfig::default()).unwrap();
         let report = runtime.block_on(relay.run_once()).unwrap();

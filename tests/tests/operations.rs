@@ -187,6 +187,16 @@ async fn a_relay_reports_every_metric_with_its_value_and_labels<B: TestBackend>(
             key("gauge", telemetry::BLOCKED_KEYS_COUNT, &[]),
             Value::Gauge(1.0),
         ),
+        // The aggregates of the undecodable event and of the parked Pong.
+        (
+            key("gauge", telemetry::BLOCKED_AGGREGATES_COUNT, &[]),
+            Value::Gauge(2.0),
+        ),
+        // Nothing was published behind them.
+        (
+            key("gauge", telemetry::HELD_EVENTS_COUNT, &[]),
+            Value::Gauge(0.0),
+        ),
     ]
     .into_iter()
     .collect();

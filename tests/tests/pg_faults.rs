@@ -100,7 +100,7 @@ async fn relay_process() {
             RelayConfig::default()
                 .with_batch_size(25)
                 .with_lease(Duration::from_secs(2))
-                .with_handler_timeout(Duration::from_secs(1))
+                .with_handler_timeout(Duration::from_millis(900))
                 .with_poll_interval(Duration::from_millis(20))
                 .with_retry(RetryPolicy::new([Duration::from_millis(30); 5]).unwrap()),
         )
@@ -258,21 +258,24 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
     );
 }
 
-/// The `retry_in` of each "cannot reach its store" warning of the relay, in order.
+/// The (`backoff`, `retry_in`) of each "cannot reach its store" warning of the relay, in
+/// order: the backoff before jitter, and the wait after.
 #[derive(Clone, Default)]
-struct StoreRetries(Arc<Mutex<Vec<String>>>);
+struct StoreRetries(Arc<Mutex<Vec<(String, String)>>>);
 
 impl<S: tracing::Subscriber> Layer<S> for StoreRetries {
     fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
         #[derive(Default)]
         struct Fields {
             message: String,
+            backoff: String,
             retry_in: String,
         }
         impl Visit for Fields {
             fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
                 match field.name() {
                     "message" => self.message = format!("{value:?}"),
+                    "backoff" => self.backoff = format!("{value:?}"),
                     "retry_in" => self.retry_in = format!("{value:?}"),
                     _ => {}
                 }
@@ -281,9 +284,24 @@ impl<S: tracing::Subscriber> Layer<S> for StoreRetries {
         let mut fields = Fields::default();
         event.record(&mut fields);
         if fields.message == "outbox relay cannot reach its store" {
-            self.0.lock().unwrap().push(fields.retry_in);
+            self.0
+                .lock()
+                .unwrap()
+                .push((fields.backoff, fields.retry_in));
         }
     }
+}
+
+/// A `Duration` back from its `Debug` text (`50ms`, `1.2s`, `950µs`).
+fn parse_duration(text: &str) -> Duration {
+    for (unit, scale) in [("ns", 1e-9), ("µs", 1e-6), ("ms", 1e-3), ("s", 1.0)] {
+        if let Some(number) = text.strip_suffix(unit)
+            && let Ok(number) = number.parse::<f64>()
+        {
+            return Duration::from_secs_f64(number * scale);
+        }
+    }
+    panic!("not a Duration: {text}");
 }
 
 /// One deposit: `Err(true)` when the commit itself failed (the event may be stored or not).
@@ -347,7 +365,7 @@ async fn a_relay_rides_out_postgresql_restarts() {
             RelayConfig::default()
                 .with_batch_size(25)
                 .with_lease(Duration::from_secs(2))
-                .with_handler_timeout(Duration::from_secs(1))
+                .with_handler_timeout(Duration::from_millis(900))
                 .with_poll_interval(Duration::from_millis(200))
                 .with_max_error_backoff(Duration::from_secs(1))
                 .with_retry(RetryPolicy::new([Duration::from_millis(100); 10]).unwrap()),
@@ -438,22 +456,30 @@ async fn a_relay_rides_out_postgresql_restarts() {
     );
 
     // The relay backed off while the server was down: 50 ms, doubling up to its maximum of 1 s,
-    // and from 50 ms again after it reached the store.
+    // and from 50 ms again after it reached the store; each wait jittered within the upper half
+    // of its backoff.
     let retries = retries.0.lock().unwrap().clone();
-    let schedule: Vec<String> = [50, 100, 200, 400, 800, 1000]
-        .map(|ms| format!("{:?}", Duration::from_millis(ms)))
+    let schedule: Vec<Duration> = [50, 100, 200, 400, 800, 1000]
+        .map(Duration::from_millis)
         .into();
     let mut step = 0;
-    for retry_in in &retries {
-        step = if *retry_in == schedule[0] {
+    for (backoff, retry_in) in &retries {
+        let (backoff, retry_in) = (parse_duration(backoff), parse_duration(retry_in));
+        step = if backoff == schedule[0] {
             0
         } else {
             (step + 1).min(schedule.len() - 1)
         };
-        assert_eq!(*retry_in, schedule[step], "store retries {retries:?}");
+        assert_eq!(backoff, schedule[step], "store retries {retries:?}");
+        assert!(
+            backoff / 2 <= retry_in && retry_in <= backoff,
+            "store retries {retries:?}"
+        );
     }
     assert!(
-        retries.iter().any(|r| *r == schedule[2]),
+        retries
+            .iter()
+            .any(|(backoff, _)| parse_duration(backoff) == schedule[2]),
         "the relay never backed off to 200 ms in a 5 s outage: {retries:?}"
     );
     println!(

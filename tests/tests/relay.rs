@@ -46,7 +46,7 @@ fn config() -> RelayConfig {
     RelayConfig::default()
         .with_poll_interval(ms(20))
         .with_lease(Duration::from_secs(10))
-        .with_handler_timeout(Duration::from_secs(5))
+        .with_handler_timeout(Duration::from_secs(4))
         .with_park_delay(ms(200))
         .with_max_error_backoff(ms(200))
         .with_retry(RetryPolicy::new([ms(50), ms(50)]).unwrap())
@@ -599,7 +599,7 @@ async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers<B
         }],
     );
     let lease = Duration::from_secs(1);
-    let short = config().with_lease(lease).with_handler_timeout(ms(500));
+    let short = config().with_lease(lease).with_handler_timeout(ms(400));
     let first = relay(&outbox, OnlyX::new(&probe), short.clone());
     let id = publish_one(&outbox, a, 1).await;
     let task = tokio::spawn(async move { first.run_once().await });

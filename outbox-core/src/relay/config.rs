@@ -1,0 +1,283 @@
+//! The relay's settings and their validation.
+
+use std::time::Duration;
+
+use crate::error::ConfigError;
+use crate::retry::RetryPolicy;
+
+/// How a relay runs. Every setting has a default; see each setter.
+///
+/// ```
+/// use std::time::Duration;
+/// use outbox_core::{RelayConfig, RetryPolicy};
+///
+/// let config = RelayConfig::default()
+///     .with_poll_interval(Duration::from_millis(500))
+///     .with_batch_size(200)
+///     .with_retry(RetryPolicy::new([Duration::from_secs(5), Duration::from_secs(60)])?);
+/// assert_eq!(config.batch_size(), 200);
+/// # Ok::<(), outbox_core::ConfigError>(())
+/// ```
+#[derive(Debug, Clone)]
+pub struct RelayConfig {
+    pub(super) poll_interval: Duration,
+    pub(super) batch_size: u32,
+    pub(super) lease: Duration,
+    pub(super) handler_timeout: Duration,
+    pub(super) park_delay: Duration,
+    pub(super) retry: RetryPolicy,
+    pub(super) max_error_backoff: Duration,
+    pub(super) status_interval: Duration,
+    pub(super) retention: Option<Retention>,
+}
+
+impl Default for RelayConfig {
+    fn default() -> Self {
+        Self {
+            poll_interval: Duration::from_secs(2),
+            batch_size: 50,
+            lease: Duration::from_secs(8),
+            handler_timeout: Duration::from_secs(3),
+            park_delay: Duration::from_secs(300),
+            retry: RetryPolicy::default(),
+            max_error_backoff: Duration::from_secs(30),
+            status_interval: Duration::from_secs(15),
+            retention: None,
+        }
+    }
+}
+
+impl RelayConfig {
+    /// How long an idle relay waits before looking for work again (default 2 s). A commit in the
+    /// same process wakes it sooner.
+    #[must_use]
+    pub fn with_poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// How many events (and as many retries) one batch claims at most (default 50, at most 10 000).
+    #[must_use]
+    pub fn with_batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// How long a claim lasts without renewal (default 8 s, more than twice the handler timeout).
+    ///
+    /// A relay renews the claim of the batch it works on every quarter of the lease, so a batch
+    /// may run as long as it needs; the lease is how long work stays claimed after its relay
+    /// died, stalled or lost its database: a relay killed with its batch's aggregates claimed
+    /// holds them back for up to one lease, then another relay takes them (and may call
+    /// handlers that already ran: see [`Delivery::is_redelivery`](crate::Delivery::is_redelivery)).
+    /// A relay starts a handler only while its claim has more than the handler timeout left,
+    /// so a handler never outlives its claim unless the relay's process stalls in it; the claim
+    /// token ([`Delivery::claim_token`](crate::Delivery::claim_token)) lets a handler that
+    /// writes to the outbox's database exclude even that.
+    ///
+    /// A longer lease costs nothing while relays are healthy and delays recovery from a dead
+    /// relay by as much; a lease too short for the database's round trips under load makes
+    /// renewals fail and batches stop early.
+    #[must_use]
+    pub fn with_lease(mut self, lease: Duration) -> Self {
+        self.lease = lease;
+        self
+    }
+
+    /// How long one handler call may take before it counts as a transient failure (default 3 s;
+    /// it must be less than half the [lease](Self::with_lease): raise the lease to allow slower
+    /// handlers).
+    #[must_use]
+    pub fn with_handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// How long a parked event (newer version, unknown event type) waits before it is looked at
+    /// again (default 5 minutes).
+    #[must_use]
+    pub fn with_park_delay(mut self, delay: Duration) -> Self {
+        self.park_delay = delay;
+        self
+    }
+
+    /// When failed deliveries are retried (default: the seed's 1m, 5m, 15m, 1h, 4h, 24h).
+    #[must_use]
+    pub fn with_retry(mut self, retry: RetryPolicy) -> Self {
+        self.retry = retry;
+        self
+    }
+
+    /// The longest wait between attempts to reach a failing store (default 30 s).
+    #[must_use]
+    pub fn with_max_error_backoff(mut self, backoff: Duration) -> Self {
+        self.max_error_backoff = backoff;
+        self
+    }
+
+    /// How often a running relay reads the store's [`Status`](crate::Status) into the
+    /// [gauges](crate::telemetry) (default 15 s).
+    #[must_use]
+    pub fn with_status_interval(mut self, interval: Duration) -> Self {
+        self.status_interval = interval;
+        self
+    }
+
+    /// Deletes old published events as the relay runs (default: off; see [`Retention`]).
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use outbox_core::{RelayConfig, Retention};
+    ///
+    /// // Keep published events for 7 days; delete 1000 per statement.
+    /// let config = RelayConfig::default()
+    ///     .with_retention(Retention::keep(Duration::from_secs(7 * 24 * 3600)).with_batch_size(1000));
+    /// assert_eq!(config.retention().unwrap().batch_size(), 1000);
+    /// ```
+    #[must_use]
+    pub fn with_retention(mut self, retention: Retention) -> Self {
+        self.retention = Some(retention);
+        self
+    }
+
+    /// The retention, if any.
+    pub fn retention(&self) -> Option<&Retention> {
+        self.retention.as_ref()
+    }
+
+    /// The poll interval.
+    pub fn poll_interval(&self) -> Duration {
+        self.poll_interval
+    }
+
+    /// The batch size.
+    pub fn batch_size(&self) -> u32 {
+        self.batch_size
+    }
+
+    /// The lease.
+    pub fn lease(&self) -> Duration {
+        self.lease
+    }
+
+    /// The retry policy.
+    pub fn retry(&self) -> &RetryPolicy {
+        &self.retry
+    }
+
+    /// The handler timeout.
+    pub fn handler_timeout(&self) -> Duration {
+        self.handler_timeout
+    }
+
+    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+        let invalid =
+            |setting, reason: String| Err(ConfigError::InvalidSetting { setting, reason });
+        if !(1..=10_000).contains(&self.batch_size) {
+            return invalid(
+                "batch size",
+                format!("{} is outside 1..=10000", self.batch_size),
+            );
+        }
+        for (setting, value) in [
+            ("poll interval", self.poll_interval),
+            ("lease", self.lease),
+            ("handler timeout", self.handler_timeout),
+            ("park delay", self.park_delay),
+            ("error backoff", self.max_error_backoff),
+            ("status interval", self.status_interval),
+            (
+                "retention interval",
+                self.retention.map_or(Duration::MAX, |r| r.interval),
+            ),
+        ] {
+            if value.is_zero() {
+                return invalid(setting, "must be greater than zero".to_owned());
+            }
+        }
+        if let Some(retention) = &self.retention
+            && !(1..=10_000).contains(&retention.batch_size)
+        {
+            return invalid(
+                "retention batch size",
+                format!("{} is outside 1..=10000", retention.batch_size),
+            );
+        }
+        if self.handler_timeout.saturating_mul(2) >= self.lease {
+            return invalid(
+                "handler timeout",
+                format!(
+                    "{:?} is not less than half the lease ({:?}): a claim could expire while its \
+                     handler still runs; raise the lease to more than twice the timeout",
+                    self.handler_timeout, self.lease
+                ),
+            );
+        }
+        Ok(())
+    }
+}
+
+/// Which published events a relay deletes as it runs, and how: see
+/// [`RelayConfig::with_retention`].
+///
+/// The relay deletes events published more than [`keep`](Self::keep) ago, one batch per
+/// statement, between its own batches; once a batch comes back short, it waits
+/// [`interval`](Self::interval) before looking again. Dead letters, events not yet published and
+/// events some subscriber has not received yet are never deleted. Several relays may purge at
+/// once.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Retention {
+    pub(super) keep: Duration,
+    pub(super) batch_size: u32,
+    pub(super) interval: Duration,
+}
+
+impl Default for Retention {
+    /// The seed's rule: published events go after 30 days; 500 per batch, looked for every minute.
+    fn default() -> Self {
+        Self {
+            keep: Duration::from_secs(30 * 24 * 3600),
+            batch_size: 500,
+            interval: Duration::from_secs(60),
+        }
+    }
+}
+
+impl Retention {
+    /// Keeps published events for `window` (the default is 30 days).
+    pub fn keep(window: Duration) -> Self {
+        Self {
+            keep: window,
+            ..Self::default()
+        }
+    }
+
+    /// Deletes at most `size` events per statement (default 500, at most 10 000).
+    #[must_use]
+    pub fn with_batch_size(mut self, size: u32) -> Self {
+        self.batch_size = size;
+        self
+    }
+
+    /// Waits `interval` after a short batch before looking for old events again (default 60 s).
+    #[must_use]
+    pub fn with_interval(mut self, interval: Duration) -> Self {
+        self.interval = interval;
+        self
+    }
+
+    /// How long published events are kept.
+    pub fn window(&self) -> Duration {
+        self.keep
+    }
+
+    /// Events deleted per statement.
+    pub fn batch_size(&self) -> u32 {
+        self.batch_size
+    }
+
+    /// The wait after a short batch.
+    pub fn interval(&self) -> Duration {
+        self.interval
+    }
+}

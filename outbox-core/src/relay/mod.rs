@@ -1,0 +1,480 @@
+//! The relay: claims committed events from a [`Store`], hands them to the subscribers a
+//! [`Router`] names, and records what happened.
+//!
+//! - `config.rs`: [`RelayConfig`] and [`Retention`], and their validation.
+//! - this file: the run loop, its chores (status, retention), claiming and recording.
+//! - `lease.rs`: the claim of the batch in progress, renewed while its handlers run.
+//! - `batch.rs`: one batch, event by event, in order per (subscriber, aggregate).
+//! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
+
+mod attempt;
+mod batch;
+mod config;
+mod lease;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use futures_util::FutureExt;
+use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::field::Empty;
+
+pub use config::{RelayConfig, Retention};
+use lease::Lease;
+
+use crate::error::{ConfigError, StoreError};
+use crate::routing::Router;
+use crate::store::{Batch, ClaimToken, Outcomes, Recorded, Status, Store};
+use crate::telemetry;
+
+/// What one batch did.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct BatchReport {
+    /// Events and deliveries claimed.
+    pub claimed: usize,
+    /// Handler calls that succeeded.
+    pub delivered: usize,
+    /// Deliveries scheduled for another attempt (or set aside until a build that routes them runs).
+    pub retried: usize,
+    /// Deliveries and events that became dead letters.
+    pub dead: usize,
+    /// Events set aside until a newer build runs.
+    pub parked: usize,
+    /// Deliveries held back behind an earlier event of their aggregate.
+    pub waiting: usize,
+    /// Claims given back unprocessed.
+    pub released: usize,
+    /// The batch's claim expired before its outcomes were recorded (the relay stalled past its
+    /// lease): nothing of it was recorded, and its work is delivered again.
+    pub lost: bool,
+    /// The store set held-back events aside while claiming and may find more work at once.
+    pub more: bool,
+}
+
+impl BatchReport {
+    fn made_progress(&self) -> bool {
+        self.claimed > self.released
+    }
+}
+
+/// Delivers committed events to their subscribers, at least once, in order per (subscriber,
+/// aggregate).
+///
+/// A relay claims a batch from its [`Store`], hands each event to the subscribers its [`Router`]
+/// names (each subscriber's failures are its own: a subscriber that succeeded is not called
+/// again), and records the outcome of the whole batch in one call. No database transaction stays
+/// open while handlers run: the claim is a lease, which the relay renews while the batch's
+/// handlers run, and outcomes count only while the claim is live. Several relays may share one
+/// store.
+pub struct Relay<S, R> {
+    store: S,
+    router: R,
+    config: RelayConfig,
+    /// Shared by every `run` of this relay: workers running one relay do the chores once per
+    /// interval between them, and a `run` started again does not redo them.
+    chores: Mutex<Chores>,
+}
+
+/// When a running relay next reports its status and purges old events.
+struct Chores {
+    next_status: Instant,
+    next_purge: Instant,
+}
+
+impl Chores {
+    fn new() -> Self {
+        let now = Instant::now();
+        Self {
+            next_status: now,
+            next_purge: now,
+        }
+    }
+}
+
+/// Consecutive store failures of a running relay, and how long to wait after the next one.
+#[derive(Default)]
+struct Failures {
+    /// Lost connections retried at once since the last success.
+    lost_connections: u32,
+    /// The backoff before jitter; zero after a success.
+    backoff: Duration,
+}
+
+impl Failures {
+    /// A broken connection is replaced and the work retried at once (twice in a row at most);
+    /// anything else, or a connection that keeps breaking, waits an exponential backoff with
+    /// jitter: (before jitter, after jitter), or `None` to retry at once.
+    fn after(&mut self, error: &StoreError, max: Duration) -> Option<(Duration, Duration)> {
+        if error.is_connection_lost() && self.lost_connections < 2 {
+            self.lost_connections += 1;
+            return None;
+        }
+        self.backoff = (self.backoff * 2).max(Duration::from_millis(50)).min(max);
+        // Full jitter over the upper half: relays that failed together do not retry together.
+        let jittered = self.backoff.mul_f64(0.5 + fastrand::f64() / 2.0);
+        Some((self.backoff, jittered))
+    }
+
+    fn reset(&mut self) {
+        *self = Self::default();
+    }
+}
+
+/// What a relay's claim gave.
+enum Claimed {
+    /// A batch, delivered: its token, report and outcomes.
+    Delivered(ClaimToken, BatchReport, Outcomes),
+    /// No work; `more` when the store may find some if asked again at once.
+    Nothing { more: bool },
+}
+
+impl<S: Store, R: Router> Relay<S, R> {
+    /// A relay over `store` and `router`, or the first invalid setting of `config`.
+    pub fn new(store: S, router: R, config: RelayConfig) -> Result<Self, ConfigError> {
+        config.validate()?;
+        telemetry::describe();
+        Ok(Self {
+            store,
+            router,
+            config,
+            chores: Mutex::new(Chores::new()),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &S {
+        &self.store
+    }
+
+    /// The router.
+    pub fn router(&self) -> &R {
+        &self.router
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &RelayConfig {
+        &self.config
+    }
+
+    /// Runs until `shutdown` resolves, then returns after the batch in progress is recorded.
+    ///
+    /// The outcomes of one batch are recorded while the next batch is claimed and delivered
+    /// (until its outcomes are recorded, the claim of a batch holds its aggregates' later events
+    /// back, so order is kept).
+    ///
+    /// Store errors never end the loop. A broken connection is replaced and the work retried at
+    /// once; a store that stays unreachable is retried with exponential backoff (with jitter, up
+    /// to [`RelayConfig::with_max_error_backoff`]).
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let mut shutdown = std::pin::pin!(shutdown);
+        let mut failures = Failures::default();
+        // The last batch's outcomes, not recorded yet.
+        let mut unrecorded: Option<(ClaimToken, Outcomes)> = None;
+        loop {
+            if (&mut shutdown).now_or_never().is_some() {
+                if let Some((token, outcomes)) = unrecorded.take() {
+                    self.record_or_log(token, &outcomes).await;
+                }
+                return;
+            }
+            self.do_chores().await;
+            let recording = unrecorded.is_some();
+            let next = self.claim_and_deliver();
+            let claimed = match unrecorded.take() {
+                None => next.await,
+                Some((token, outcomes)) => {
+                    tokio::join!(self.record_or_log(token, &outcomes), next).1
+                }
+            };
+            match claimed {
+                Ok(Claimed::Delivered(token, report, outcomes)) => {
+                    failures.reset();
+                    if report.lost {
+                        // Counted and logged by the lease; the store would refuse the record.
+                        continue;
+                    }
+                    if report.made_progress() {
+                        unrecorded = Some((token, outcomes));
+                        continue;
+                    }
+                    // Everything was given back: record that, then wait for news.
+                    self.record_or_log(token, &outcomes).await;
+                    if self.idle(&mut shutdown).await {
+                        return;
+                    }
+                }
+                // Events were set aside, or the batch just recorded may have held some back:
+                // look again at once.
+                Ok(Claimed::Nothing { more }) if more || recording => failures.reset(),
+                Ok(Claimed::Nothing { .. }) => {
+                    failures.reset();
+                    if self.idle(&mut shutdown).await {
+                        return;
+                    }
+                }
+                Err(error) => {
+                    let Some((backoff, retry_in)) =
+                        failures.after(&error, self.config.max_error_backoff)
+                    else {
+                        tracing::debug!(%error, "outbox relay lost a connection; retrying at once");
+                        continue;
+                    };
+                    tracing::warn!(
+                        %error,
+                        ?backoff,
+                        ?retry_in,
+                        "outbox relay cannot reach its store"
+                    );
+                    tokio::select! {
+                        biased;
+                        () = &mut shutdown => return,
+                        () = tokio::time::sleep(retry_in) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    /// Claims a batch and, if there is one, delivers it.
+    async fn claim_and_deliver(&self) -> Result<Claimed, StoreError> {
+        let sent = Instant::now();
+        let batch = self.claim().await?;
+        if batch.is_empty() {
+            return Ok(Claimed::Nothing { more: batch.more });
+        }
+        let token = batch.token;
+        let (report, outcomes) = self.deliver(batch, sent).await;
+        Ok(Claimed::Delivered(token, report, outcomes))
+    }
+
+    /// Waits for a commit, the poll interval, or `shutdown`, whichever comes first; true if
+    /// `shutdown` came (it must not be polled again).
+    async fn idle(&self, shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
+        tokio::select! {
+            biased;
+            () = shutdown.as_mut() => true,
+            () = self.store.notified() => false,
+            () = tokio::time::sleep(self.config.poll_interval) => false,
+        }
+    }
+
+    /// Reads the store's [`Status`] and sets the [gauges](crate::telemetry) from it. A running
+    /// relay does this every [status interval](RelayConfig::with_status_interval).
+    pub async fn report_status(&self) -> Result<Status, StoreError> {
+        let status = self.store.status().await?;
+        telemetry::report(&status);
+        Ok(status)
+    }
+
+    /// Reports the status and purges old events when they are due. Failures are logged: chores
+    /// never stop deliveries.
+    async fn do_chores(&self) {
+        let now = Instant::now();
+        let retention = self.config.retention.as_ref();
+        // Each due chore is pushed back before it runs, so that another `run` does not do it too.
+        let (status_due, purge) = {
+            let mut chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
+            let status_due = now >= chores.next_status;
+            if status_due {
+                chores.next_status = now + self.config.status_interval;
+            }
+            let purge = retention.filter(|_| now >= chores.next_purge);
+            if let Some(retention) = purge {
+                chores.next_purge = now + retention.interval;
+            }
+            (status_due, purge)
+        };
+        if status_due && let Err(error) = self.report_status().await {
+            tracing::warn!(%error, "outbox relay cannot read the store's status");
+        }
+        if let Some(retention) = purge {
+            match self
+                .store
+                .purge_published(retention.keep, retention.batch_size)
+                .await
+            {
+                // A full batch: there may be more; go on after the next batch of deliveries.
+                Ok(deleted) if deleted >= u64::from(retention.batch_size) => {
+                    self.chores
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner)
+                        .next_purge = now;
+                }
+                Ok(deleted) => {
+                    if deleted > 0 {
+                        tracing::debug!(deleted, "outbox relay purged old published events");
+                    }
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "outbox relay cannot purge old published events");
+                }
+            }
+        }
+    }
+
+    /// Claims one batch, delivers it, and records the outcomes.
+    pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
+        let (token, mut report, outcomes) = match self.claim_and_deliver().await? {
+            Claimed::Delivered(token, report, outcomes) => (token, report, outcomes),
+            Claimed::Nothing { more } => {
+                return Ok(BatchReport {
+                    more,
+                    ..BatchReport::default()
+                });
+            }
+        };
+        if !report.lost && !outcomes.is_empty() {
+            report.lost = self.record(token, &outcomes).await? == Recorded::Lost;
+        }
+        Ok(report)
+    }
+
+    async fn claim(&self) -> Result<Batch, StoreError> {
+        self.store
+            .claim(self.config.batch_size, self.config.lease)
+            .await
+    }
+
+    /// Hands a claimed batch to its subscribers in a batch span, renewing its claim while the
+    /// handlers run.
+    async fn deliver(&self, batch: Batch, sent: Instant) -> (BatchReport, Outcomes) {
+        let lease = Lease::new(batch.token, self.config.lease, sent);
+        let span = tracing::info_span!(
+            "outbox.batch",
+            claim = batch.token.get(),
+            claimed = batch.claims.len(),
+            delivered = Empty,
+            retried = Empty,
+            dead = Empty,
+            parked = Empty,
+        );
+        let delivering = self
+            .deliver_batch(batch.claims, &lease)
+            .instrument(span.clone());
+        let (mut report, outcomes) = tokio::select! {
+            biased;
+            done = delivering => done,
+            never = lease.keep(&self.store) => match never {},
+        };
+        report.lost = lease.is_lost();
+        report.more = batch.more;
+        span.record("delivered", report.delivered);
+        span.record("retried", report.retried);
+        span.record("dead", report.dead);
+        span.record("parked", report.parked);
+        (report, outcomes)
+    }
+
+    /// Records outcomes; if that keeps failing, says so (the batch is delivered again once its
+    /// claim expires, which at-least-once allows).
+    async fn record_or_log(&self, token: ClaimToken, outcomes: &Outcomes) {
+        if outcomes.is_empty() {
+            return;
+        }
+        if let Err(error) = self.record(token, outcomes).await {
+            tracing::error!(
+                %error,
+                claim = %token,
+                "outbox relay cannot record a batch; it will be delivered again when its claim expires"
+            );
+        }
+    }
+
+    /// Records outcomes, retrying a few times: the handlers already ran, and a lost record means
+    /// delivering the batch again once its claim expires. A claim found lost is counted and
+    /// logged: its outcomes are dropped.
+    async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
+        let mut wait = Duration::from_millis(50);
+        let mut tries = 1;
+        loop {
+            match self.store.record(token, outcomes).await {
+                Ok(Recorded::Applied) => return Ok(Recorded::Applied),
+                Ok(Recorded::Lost) => {
+                    telemetry::claim_lost();
+                    tracing::warn!(
+                        claim = %token,
+                        "outbox relay lost the claim of a batch before recording it (its lease \
+                         expired; another relay may have its work): its outcomes are dropped and \
+                         its work is delivered again"
+                    );
+                    return Ok(Recorded::Lost);
+                }
+                Err(error) if tries >= 5 => return Err(error),
+                Err(error) => {
+                    tracing::warn!(%error, tries, "outbox relay cannot record a batch; retrying");
+                    if !error.is_connection_lost() {
+                        tokio::time::sleep(wait).await;
+                        wait *= 2;
+                    }
+                    tries += 1;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::RetryPolicy;
+
+    #[test]
+    fn the_defaults_are_valid_and_the_seeds() {
+        let config = RelayConfig::default();
+        config.validate().unwrap();
+        assert_eq!(config.poll_interval(), Duration::from_secs(2));
+        assert_eq!(config.batch_size(), 50);
+        assert_eq!(config.retry(), &RetryPolicy::default());
+        assert!(config.handler_timeout() * 2 < config.lease());
+    }
+
+    #[test]
+    fn invalid_settings_are_named_in_the_error() {
+        let cases = [
+            (
+                RelayConfig::default().with_batch_size(0),
+                "invalid batch size: 0 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default().with_batch_size(10_001),
+                "invalid batch size: 10001 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default().with_poll_interval(Duration::ZERO),
+                "invalid poll interval: must be greater than zero",
+            ),
+            (
+                RelayConfig::default().with_lease(Duration::ZERO),
+                "invalid lease: must be greater than zero",
+            ),
+            (
+                RelayConfig::default()
+                    .with_lease(Duration::from_secs(10))
+                    .with_handler_timeout(Duration::from_secs(5)),
+                "invalid handler timeout: 5s is not less than half the lease (10s): a claim could \
+                 expire while its handler still runs; raise the lease to more than twice the \
+                 timeout",
+            ),
+            (
+                RelayConfig::default().with_status_interval(Duration::ZERO),
+                "invalid status interval: must be greater than zero",
+            ),
+            (
+                RelayConfig::default().with_retention(Retention::default().with_batch_size(0)),
+                "invalid retention batch size: 0 is outside 1..=10000",
+            ),
+            (
+                RelayConfig::default()
+                    .with_retention(Retention::default().with_interval(Duration::ZERO)),
+                "invalid retention interval: must be greater than zero",
+            ),
+        ];
+        for (config, message) in cases {
+            assert_eq!(config.validate().unwrap_err().to_string(), message);
+        }
+    }
+}
