@@ -157,6 +157,9 @@ pub enum Claim {
     Unreadable {
         /// The event's id.
         id: i64,
+        /// The subscriber, when the claim was one subscriber's delivery of the event; `None`
+        /// when it was the event itself.
+        subscriber: Option<String>,
         /// Its aggregate, when that much could be read; `None` holds back every later event of
         /// the batch, since any of them could be of the same aggregate.
         aggregate: Option<(String, Uuid)>,
@@ -186,7 +189,7 @@ impl Claim {
     pub fn order_key(&self) -> (i64, Option<&str>) {
         match self {
             Claim::Event { event, .. } => (event.id, None),
-            Claim::Unreadable { id, .. } => (*id, None),
+            Claim::Unreadable { id, subscriber, .. } => (*id, subscriber.as_deref()),
             Claim::Delivery {
                 event, subscriber, ..
             } => (event.id, Some(subscriber)),

@@ -506,6 +506,48 @@ impl MemoryStore {
         self.wake.notify_one();
     }
 
+    /// Stores an event as other code may have written it, payload and all, as its own
+    /// committed transaction; returns its id. For tests of what the relay does with payloads it
+    /// cannot decode, or event types it does not know.
+    pub fn insert_raw(
+        &self,
+        event_type: &str,
+        aggregate_type: &str,
+        aggregate_id: Uuid,
+        payload: &str,
+    ) -> i64 {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        state.next_id += 1;
+        let id = state.next_id;
+        state.events.insert(
+            id,
+            EventRow {
+                event: MemoryEvent {
+                    stored: StoredEvent {
+                        id,
+                        aggregate_type: aggregate_type.to_owned(),
+                        aggregate_id,
+                        event_type: event_type.to_owned(),
+                        payload: payload.to_owned(),
+                        occurred_at: now,
+                    },
+                    published: false,
+                    dead: false,
+                    parked: 0,
+                    last_error: None,
+                },
+                published_at: None,
+                next_retry_at: None,
+                claim: None,
+                expired_claims: 0,
+            },
+        );
+        drop(state);
+        self.wake.notify_one();
+        id
+    }
+
     /// Stores one event, as its own committed transaction.
     pub fn publish<E: OutboxEvent>(&self, event: &E) -> Result<(), EncodeError> {
         let mut publisher = RecordingPublisher::new();

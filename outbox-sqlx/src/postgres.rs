@@ -290,9 +290,14 @@ impl Backend for Postgres {
         let skips = names.qualified("_skips");
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
         // The columns the relay reads of a claimed event, in `claim_from_row`'s order after the
-        // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at.
+        // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at. The time is
+        // read as microseconds since the epoch (NULL when not finite): sqlx's decoder panics
+        // on a timestamp out of its range, which other SQL may have written.
         let event_columns = "o.id, o.aggregate_type, o.aggregate_id, o.event_type, \
-                             coalesce(o.payload_text, o.payload::text) AS payload, o.occurred_at";
+                             coalesce(o.payload_text, o.payload::text) AS payload, \
+                             CASE WHEN isfinite(o.occurred_at) \
+                             THEN (extract(epoch FROM o.occurred_at) * 1000000)::int8 END \
+                             AS occurred_at";
         PgQueries {
             lock_namespace: names.lock_namespace(),
             claim_begin: sql(claim_begin(lock, &claims, &outbox, &deliveries, &holds)),
@@ -1128,13 +1133,21 @@ fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {
     let aggregate_type: String = row.try_get(2)?;
     let aggregate_id: Uuid = row.try_get(3)?;
     let read = || -> Result<Claim, sqlx::Error> {
+        let occurred_at = row
+            .try_get::<Option<i64>, _>(6)?
+            .ok_or("occurred_at is not a finite time")
+            .and_then(|micros| {
+                OffsetDateTime::from_unix_timestamp_nanos(i128::from(micros) * 1000)
+                    .map_err(|_| "occurred_at is out of the range this build reads")
+            })
+            .map_err(|e| sqlx::Error::Decode(e.into()))?;
         let event = StoredEvent {
             id,
             aggregate_type: aggregate_type.clone(),
             aggregate_id,
             event_type: row.try_get(4)?,
             payload: row.try_get(5)?,
-            occurred_at: row.try_get(6)?,
+            occurred_at,
         };
         let attempts = count(row.try_get(7)?);
         let expired = count(row.try_get(8)?);
@@ -1158,6 +1171,7 @@ fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {
     };
     Ok(read().unwrap_or_else(|error| Claim::Unreadable {
         id,
+        subscriber: row.try_get(9).ok().flatten(),
         aggregate: Some((aggregate_type.clone(), aggregate_id)),
         reason: error.to_string(),
     }))

@@ -636,14 +636,15 @@ DELETE FROM {outbox} WHERE id IN (
                 else {
                     continue;
                 };
+                let subscriber: String = row.try_get("subscriber")?;
                 claims.push(match stored_event(event) {
                     Ok(event) => Claim::Delivery {
                         event,
-                        subscriber: row.try_get("subscriber")?,
+                        subscriber,
                         attempts: count(row.try_get("attempts")?),
                         expired: count(row.try_get("expired_claims")?),
                     },
-                    Err(error) => unreadable(event, &error),
+                    Err(error) => unreadable(event, Some(subscriber), &error),
                 });
             }
         }
@@ -965,19 +966,20 @@ fn event_claim(row: &SqliteRow) -> Result<Claim, sqlx::Error> {
     };
     match read() {
         Ok(claim) => Ok(claim),
-        Err(error) => Ok(unreadable(row, &error)),
+        Err(error) => Ok(unreadable(row, None, &error)),
     }
 }
 
 /// A row that cannot be read: its id (an integer primary key, always readable) and, when it can
 /// be read, its aggregate.
-fn unreadable(row: &SqliteRow, error: &sqlx::Error) -> Claim {
+fn unreadable(row: &SqliteRow, subscriber: Option<String>, error: &sqlx::Error) -> Claim {
     let aggregate = row
         .try_get::<String, _>("aggregate_type")
         .ok()
         .zip(row.try_get::<Uuid, _>("aggregate_id").ok());
     Claim::Unreadable {
         id: row.try_get("id").unwrap_or_default(),
+        subscriber,
         aggregate,
         reason: error.to_string(),
     }

@@ -102,6 +102,9 @@ pub trait TestBackend: Backend + Sized {
     /// Overwrites an event's payload, as an operator repairing it would.
     fn set_payload(pool: &Pool<Self>, id: i64, payload: &str) -> impl Future<Output = ()> + Send;
 
+    /// Writes an `occurred_at` this build cannot read into an event, as other SQL might.
+    fn break_occurred_at(pool: &Pool<Self>, id: i64) -> impl Future<Output = ()> + Send;
+
     /// Moves a published event's `published_at` back by `by`, as if it were published long ago.
     fn backdate_published(
         pool: &Pool<Self>,
@@ -245,6 +248,14 @@ impl TestBackend for Postgres {
         .unwrap()
         .rows_affected();
         assert_eq!(changed, 1, "event {id} is published");
+    }
+
+    async fn break_occurred_at(pool: &Pool<Postgres>, id: i64) {
+        sqlx::query("UPDATE events.outbox SET occurred_at = 'infinity' WHERE id = $1")
+            .bind(id)
+            .execute(pool)
+            .await
+            .unwrap();
     }
 
     async fn set_payload(pool: &Pool<Postgres>, id: i64, payload: &str) {
@@ -429,6 +440,14 @@ impl TestBackend for Sqlite {
         .unwrap()
         .rows_affected();
         assert_eq!(changed, 1, "event {id} is published");
+    }
+
+    async fn break_occurred_at(pool: &Pool<Sqlite>, id: i64) {
+        sqlx::query("UPDATE outbox SET occurred_at = 'not a time' WHERE id = $1")
+            .bind(id)
+            .execute(pool)
+            .await
+            .unwrap();
     }
 
     async fn set_payload(pool: &Pool<Sqlite>, id: i64, payload: &str) {

@@ -39,6 +39,18 @@ pub struct Pong {
     pub seq: u32,
 }
 
+/// An event of another aggregate type than `Ping`'s, for tests of aggregates of two types that
+/// share an id.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "other", event_type = "Tock")]
+pub struct Tock {
+    /// The aggregate.
+    #[outbox(aggregate_id)]
+    pub aggregate: Uuid,
+    /// Its number.
+    pub seq: u32,
+}
+
 /// One handler call, as a subscriber saw it.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Seen {
@@ -67,6 +79,8 @@ pub enum Fail {
     Transient,
     /// Returns a permanent error.
     Permanent,
+    /// Returns a transient error with this message.
+    Message(String),
     /// Panics.
     Panic,
     /// Signals `entered`, then waits for `release` before succeeding.
@@ -183,6 +197,7 @@ impl Probe {
             None => Ok(()),
             Some(Fail::Transient) => Err(HandlerError::transient("scripted transient failure")),
             Some(Fail::Permanent) => Err(HandlerError::permanent("scripted permanent failure")),
+            Some(Fail::Message(message)) => Err(HandlerError::transient(message)),
             Some(Fail::Panic) => {
                 self.log(seen, false);
                 panic!("scripted panic");
@@ -222,6 +237,12 @@ impl Probed for Pong {
     }
 }
 
+impl Probed for Tock {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
 /// Subscriber `x` taking `Ping`.
 #[subscriber(events = [Ping], name = "x")]
 pub struct XPing(pub Probe);
@@ -233,6 +254,10 @@ pub struct XPingPong(pub Probe);
 /// Subscriber `y` taking `Ping`.
 #[subscriber(events = [Ping], name = "y")]
 pub struct YPing(pub Probe);
+
+/// Subscriber `x` taking `Ping` and `Tock`.
+#[subscriber(events = [Ping, Tock], name = "x")]
+pub struct XPingTock(pub Probe);
 
 macro_rules! probe_handlers {
     ($($subscriber:ty),*) => {$(
@@ -254,7 +279,7 @@ macro_rules! probe_handlers {
     )*};
 }
 
-probe_handlers!(XPing, XPingPong, YPing);
+probe_handlers!(XPing, XPingPong, YPing, XPingTock);
 
 /// One subscriber, `x`, taking `Ping`.
 #[router(events = [Ping])]
@@ -279,6 +304,22 @@ pub struct PingPong {
     pub x: XPingPong,
     /// y
     pub y: YPing,
+}
+
+/// `x` takes `Ping` (aggregate type `probe`) and `Tock` (aggregate type `other`).
+#[router(events = [Ping, Tock])]
+pub struct PingTock {
+    /// x
+    pub x: XPingTock,
+}
+
+impl PingTock {
+    /// Logging to `probe`.
+    pub fn new(probe: &Probe) -> Self {
+        Self {
+            x: XPingTock(probe.clone()),
+        }
+    }
 }
 
 impl OnlyX {

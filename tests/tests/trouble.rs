@@ -9,7 +9,7 @@ use std::time::Duration;
 use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
-use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Pong, Probe, run_until};
+use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, PingTock, Pong, Probe, Tock, run_until};
 use outbox_tests::on_both_backends;
 use tokio::sync::Notify;
 use uuid::Uuid;
@@ -22,6 +22,7 @@ on_both_backends!(
     a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashed_relay,
     a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_transient_failure,
     a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_permanent_failure,
+    aggregates_of_two_types_with_one_id_do_not_block_each_other,
 );
 
 const BATCH: u32 = 10;
@@ -67,15 +68,26 @@ async fn publish<B: TestBackend>(
     tx.commit().await.unwrap();
 }
 
+/// How the stuck aggregate shows in the status once the others flowed.
+#[derive(Clone, Copy)]
+enum Shows {
+    /// Held back for every subscriber, with every later event set aside.
+    BlockedAggregate,
+    /// Held back for the one subscriber whose delivery waits.
+    BlockedKey,
+}
+
 /// Publishes `BEHIND` events of `stuck` after whatever holds it, then five of a fresh aggregate,
 /// runs `relay` in the background, and checks that the fresh aggregate's events arrive within
-/// `BOUND` while none of `stuck`'s later events does. Returns the fresh aggregate.
+/// `BOUND` while none of `stuck`'s later events does, and that the status shows `stuck` as
+/// blocked. Returns the fresh aggregate.
 async fn others_flow<B: TestBackend, R: Router>(
     outbox: &TestOutbox<B>,
     relay: Relay<SqlStore<B>, R>,
     probe: &Probe,
     stuck: Uuid,
     first_behind: u32,
+    shows: Shows,
 ) -> Uuid {
     publish(outbox, stuck, first_behind..first_behind + BEHIND).await;
     let free = Uuid::new_v4();
@@ -104,6 +116,19 @@ async fn others_flow<B: TestBackend, R: Router>(
         );
         tokio::time::sleep(ms(10)).await;
     }
+    // The stuck aggregate's later events are all handled as far as they can be (set aside, or
+    // waiting for x) soon after: events that only skipped behind a claim of the relay's own are
+    // taken by its next batch.
+    let settled = |status: &outbox_core::Status| match shows {
+        Shows::BlockedAggregate => status.held_events == u64::from(BEHIND),
+        Shows::BlockedKey => status.pending_events == 0,
+    };
+    let mut status = outbox.status().await.unwrap();
+    while !settled(&status) {
+        assert!(started.elapsed() < 2 * BOUND, "{status:?}");
+        tokio::time::sleep(ms(10)).await;
+        status = outbox.status().await.unwrap();
+    }
     stop.notify_one();
     worker.await.unwrap();
     assert!(
@@ -113,6 +138,21 @@ async fn others_flow<B: TestBackend, R: Router>(
             .all(|d| d.0 != stuck || d.1 < first_behind),
         "an event of the stuck aggregate overtook the one that holds it"
     );
+    let status = outbox.status().await.unwrap();
+    match shows {
+        Shows::BlockedAggregate => {
+            assert_eq!(status.blocked_aggregates, 1, "{status:?}");
+            assert_eq!(status.held_events, u64::from(BEHIND), "{status:?}");
+        }
+        Shows::BlockedKey => {
+            assert_eq!(status.blocked_keys, 1, "{status:?}");
+            assert_eq!(
+                status.pending_deliveries,
+                u64::from(BEHIND) + 1,
+                "x's failed delivery and those waiting behind it: {status:?}"
+            );
+        }
+    }
     free
 }
 
@@ -128,7 +168,7 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_dead_event<B: TestB
     )
     .await;
     let relay = relay(&outbox, OnlyX::new(&probe), config());
-    others_flow(&outbox, relay, &probe, stuck, 1).await;
+    others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedAggregate).await;
 }
 
 async fn a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_an_unknown_type<
@@ -147,7 +187,7 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_an_unknow
     tx.commit().await.unwrap();
     // An older build: it does not know `Pong`, so it parks it.
     let relay = relay(&outbox, OnlyX::new(&probe), config());
-    others_flow(&outbox, relay, &probe, stuck, 1).await;
+    others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedAggregate).await;
 }
 
 async fn a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_a_newer_version<
@@ -164,7 +204,7 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_a_newer_v
     )
     .await;
     let relay = relay(&outbox, OnlyX::new(&probe), config());
-    others_flow(&outbox, relay, &probe, stuck, 1).await;
+    others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedAggregate).await;
 }
 
 async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_waiting_delivery<B: TestBackend>() {
@@ -176,7 +216,7 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_waiting_delivery<B:
     publish(&outbox, stuck, 0..1).await;
     let relay = relay(&outbox, OnlyX::new(&probe), config());
     assert_eq!(relay.run_once().await.unwrap().retried, 1);
-    others_flow(&outbox, relay, &probe, stuck, 1).await;
+    others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedKey).await;
 }
 
 async fn a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashed_relay<
@@ -207,7 +247,7 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashe
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
     let relay = relay(&outbox, OnlyX::new(&probe), config());
-    others_flow(&outbox, relay, &probe, stuck, 1).await;
+    others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedAggregate).await;
 }
 
 /// Relay A calls x for e1 of an aggregate and freezes in the handler (its thread blocks: no
@@ -292,6 +332,97 @@ async fn paused_past_lease<B: TestBackend>(failure: Fail) {
     assert!(outbox.dead_letters().await.unwrap().is_empty());
 }
 
+async fn publish_tock<B: TestBackend>(outbox: &Outbox<B, PingTock>, aggregate: Uuid, seq: u32) {
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Tock { aggregate, seq }).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+async fn publish_ping<B: TestBackend>(outbox: &Outbox<B, PingTock>, aggregate: Uuid, seq: u32) {
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Ping { aggregate, seq }).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// The seqs of the events of type `event_type` and aggregate id `aggregate` x handled.
+fn handled(probe: &Probe, event_type: &str, aggregate: Uuid) -> Vec<u32> {
+    probe
+        .seen()
+        .into_iter()
+        .filter(|s| s.event_type == event_type && s.aggregate == aggregate && s.ok)
+        .map(|s| s.seq)
+        .collect()
+}
+
+/// A `probe` aggregate (`Ping`) and an `other` aggregate (`Tock`) share one id. The `probe` one
+/// is stuck three ways in turn (behind a dead event, behind a failed delivery to x, behind a
+/// live claim of another relay); each time the `other` one's event reaches x at once.
+async fn aggregates_of_two_types_with_one_id_do_not_block_each_other<B: TestBackend>() {
+    let (_db, outbox) = outbox::<B, PingTock>().await;
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), PingTock::new(&probe), config()).unwrap();
+
+    // Behind a dead event.
+    let shared = Uuid::new_v4();
+    B::insert_raw(outbox.pool(), "Ping", shared, r#"{"version":1}"#).await;
+    publish_ping(&outbox, shared, 1).await;
+    publish_tock(&outbox, shared, 1).await;
+    run_until(&relay, BOUND, || handled(&probe, "Tock", shared) == [1]).await;
+    // The Ping behind the dead event was given back by the batch that found the event dead; the
+    // next claim sets it aside.
+    let report = relay.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.more), (0, true), "{report:?}");
+    assert!(handled(&probe, "Ping", shared).is_empty());
+    let status = outbox.status().await.unwrap();
+    assert_eq!(
+        (status.blocked_aggregates, status.held_events),
+        (1, 1),
+        "{status:?}"
+    );
+
+    // Behind a failed delivery to x.
+    let shared = Uuid::new_v4();
+    probe.fail("x", shared, 1, [Fail::Transient]);
+    publish_ping(&outbox, shared, 1).await;
+    run_until(&relay, BOUND, || {
+        probe.calls_of("x").contains(&(shared, 1, 1))
+    })
+    .await;
+    publish_tock(&outbox, shared, 1).await;
+    run_until(&relay, BOUND, || handled(&probe, "Tock", shared) == [1]).await;
+    let status = outbox.status().await.unwrap();
+    assert_eq!(
+        (status.pending_deliveries, status.blocked_keys),
+        (1, 1),
+        "only x's failed Ping waits: {status:?}"
+    );
+
+    // Behind another relay's live claim (it froze in x's handler with a long lease).
+    let shared = Uuid::new_v4();
+    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        shared,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: never,
+        }],
+    );
+    publish_ping(&outbox, shared, 1).await;
+    let frozen = Relay::new(
+        outbox.store(),
+        PingTock::new(&probe),
+        config().with_lease(Duration::from_secs(120)),
+    )
+    .unwrap();
+    let task = tokio::spawn(async move { frozen.run_once().await });
+    entered.notified().await;
+    publish_tock(&outbox, shared, 2).await;
+    run_until(&relay, BOUND, || handled(&probe, "Tock", shared) == [2]).await;
+    task.abort();
+}
+
 async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_transient_failure<
     B: TestBackend,
 >() {
@@ -302,4 +433,229 @@ async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_p
     B: TestBackend,
 >() {
     paused_past_lease::<B>(Fail::Permanent).await;
+}
+
+/// The same scenarios over the test kit's memory store, whose clock the test moves.
+mod memory {
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use outbox_core::testing::{MemoryStore, drain};
+    use outbox_core::{Relay, RetryPolicy, Store};
+    use outbox_tests::kit::{Fail, OnlyX, Ping, PingTock, Pong, Probe, Tock};
+    use tokio::sync::Notify;
+    use uuid::Uuid;
+
+    use super::{BEHIND, config, ms};
+
+    fn publish(store: &MemoryStore, aggregate: Uuid, seqs: std::ops::Range<u32>) {
+        for seq in seqs {
+            store.publish(&Ping { aggregate, seq }).unwrap();
+        }
+    }
+
+    /// Publishes what waits behind `stuck` and five events of a fresh aggregate, drains, and
+    /// checks the fresh aggregate got through while `stuck` waits; returns the status.
+    async fn others_flow(
+        store: &MemoryStore,
+        relay: &Relay<MemoryStore, OnlyX>,
+        probe: &Probe,
+        stuck: Uuid,
+    ) -> outbox_core::Status {
+        publish(store, stuck, 1..1 + BEHIND);
+        let free = Uuid::new_v4();
+        publish(store, free, 0..5);
+        drain(relay).await.unwrap();
+        let delivered = probe.delivered_to("x");
+        assert_eq!(
+            delivered.iter().filter(|d| d.0 == free).count(),
+            5,
+            "{delivered:?}"
+        );
+        assert!(delivered.iter().all(|d| d.0 != stuck || d.1 == 0));
+        store.status().await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_dead_event() {
+        let (store, probe, stuck) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        store.insert_raw(
+            "Ping",
+            "probe",
+            stuck,
+            r#"{"version":1,"data":{"seq":"zero"}}"#,
+        );
+        let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        let status = others_flow(&store, &relay, &probe, stuck).await;
+        assert_eq!(
+            (
+                status.dead_letters,
+                status.blocked_aggregates,
+                status.held_events
+            ),
+            (1, 1, u64::from(BEHIND))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_an_unknown_type() {
+        let (store, probe, stuck) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        store
+            .publish(&Pong {
+                aggregate: stuck,
+                seq: 0,
+            })
+            .unwrap();
+        let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        let status = others_flow(&store, &relay, &probe, stuck).await;
+        assert_eq!(
+            (status.blocked_aggregates, status.held_events),
+            (1, u64::from(BEHIND))
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_waiting_delivery() {
+        let (store, probe, stuck) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        probe.fail("x", stuck, 0, [Fail::Transient]);
+        publish(&store, stuck, 0..1);
+        let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        let status = others_flow(&store, &relay, &probe, stuck).await;
+        assert_eq!(
+            (status.blocked_keys, status.pending_deliveries),
+            (1, u64::from(BEHIND) + 1)
+        );
+    }
+
+    #[tokio::test]
+    async fn a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashed_relay() {
+        let (store, probe, stuck) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        probe.fail(
+            "x",
+            stuck,
+            0,
+            [Fail::Block {
+                entered: entered.clone(),
+                release: never,
+            }],
+        );
+        publish(&store, stuck, 0..1);
+        let crashed = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        let task = tokio::spawn(async move { crashed.run_once().await });
+        entered.notified().await;
+        task.abort();
+        let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        others_flow(&store, &relay, &probe, stuck).await;
+        // Once the claim expires, the stuck aggregate flows, in order.
+        store.clock().advance(Duration::from_secs(11));
+        drain(&relay).await.unwrap();
+        let stuck_seqs: Vec<u32> = probe
+            .delivered_to("x")
+            .into_iter()
+            .filter(|d| d.0 == stuck)
+            .map(|d| d.1)
+            .collect();
+        assert_eq!(stuck_seqs, (0..1 + BEHIND).collect::<Vec<_>>());
+    }
+
+    /// As `paused_past_lease` above: relay A freezes in x's handler of e1 past its lease (the
+    /// store's clock is moved past it), relay B delivers e1 and e2, then A resumes and fails.
+    async fn paused_past_lease(failure: Fail) {
+        let (store, probe, aggregate) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        let (freeze, entered, release) = Fail::freeze(Some(failure));
+        probe.fail("x", aggregate, 1, [freeze]);
+        publish(&store, aggregate, 1..3);
+        let lease = ms(300);
+        let config = config()
+            .with_lease(lease)
+            .with_handler_timeout(ms(100))
+            .with_retry(RetryPolicy::new([ms(50); 3]).unwrap());
+        let relay_a = std::thread::spawn({
+            let (store, probe, config) = (store.clone(), probe.clone(), config.clone());
+            move || {
+                tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap()
+                    .block_on(async move {
+                        Relay::new(store, OnlyX::new(&probe), config)
+                            .unwrap()
+                            .run_once()
+                            .await
+                    })
+            }
+        });
+        tokio::task::spawn_blocking(move || entered.recv().unwrap())
+            .await
+            .unwrap();
+        // A's lease runs out, on both clocks.
+        tokio::time::sleep(lease + ms(100)).await;
+        store.clock().advance(lease + ms(100));
+        let relay_b = Relay::new(store.clone(), OnlyX::new(&probe), config.clone()).unwrap();
+        drain(&relay_b).await.unwrap();
+        let both = [(aggregate, 1), (aggregate, 2)];
+        assert_eq!(probe.delivered_to("x"), both);
+
+        release.send(()).unwrap();
+        let report = tokio::task::spawn_blocking(move || relay_a.join().unwrap())
+            .await
+            .unwrap()
+            .unwrap();
+        assert!(report.lost, "A's batch was lost: {report:?}");
+        store.clock().advance(Duration::from_secs(1));
+        drain(&relay_b).await.unwrap();
+        assert_eq!(probe.delivered_to("x"), both, "{:?}", probe.calls_of("x"));
+        assert_eq!(probe.calls_of("x").len(), 3, "{:?}", probe.calls_of("x"));
+        let status = store.status().await.unwrap();
+        assert!(
+            status.is_settled() && status.dead_letters == 0,
+            "{status:?}"
+        );
+    }
+
+    #[tokio::test]
+    async fn aggregates_of_two_types_with_one_id_do_not_block_each_other() {
+        let (store, probe) = (MemoryStore::new(), Probe::default());
+        let relay = Relay::new(store.clone(), PingTock::new(&probe), config()).unwrap();
+        // Behind a dead event.
+        let shared = Uuid::new_v4();
+        store.insert_raw("Ping", "probe", shared, r#"{"version":1}"#);
+        publish(&store, shared, 1..2);
+        store
+            .publish(&Tock {
+                aggregate: shared,
+                seq: 1,
+            })
+            .unwrap();
+        drain(&relay).await.unwrap();
+        assert_eq!(super::handled(&probe, "Tock", shared), [1]);
+        assert!(super::handled(&probe, "Ping", shared).is_empty());
+        // Behind a failed delivery to x.
+        let shared = Uuid::new_v4();
+        probe.fail("x", shared, 1, [Fail::Transient]);
+        publish(&store, shared, 1..2);
+        store
+            .publish(&Tock {
+                aggregate: shared,
+                seq: 2,
+            })
+            .unwrap();
+        drain(&relay).await.unwrap();
+        assert_eq!(super::handled(&probe, "Tock", shared), [2]);
+        let status = store.status().await.unwrap();
+        assert_eq!((status.pending_deliveries, status.blocked_keys), (1, 1));
+    }
+
+    #[tokio::test]
+    async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_transient_failure()
+     {
+        paused_past_lease(Fail::Transient).await;
+    }
+
+    #[tokio::test]
+    async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_permanent_failure()
+     {
+        paused_past_lease(Fail::Permanent).await;
+    }
 }

@@ -93,19 +93,40 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 Claim::Unreadable {
                     id,
+                    subscriber,
                     aggregate,
                     reason,
                 } => {
-                    match aggregate {
-                        Some(key) => {
-                            state.stalled.insert(key);
-                        }
-                        None => state.stall_all = true,
-                    }
                     telemetry::dispatched(UNREADABLE, status::DEAD);
                     let reason = stored_text(format!("the stored event cannot be read: {reason}"));
-                    tracing::error!(event_id = id, %reason, "outbox event is a dead letter");
-                    outcomes.events.push((id, EventOutcome::Dead { reason }));
+                    tracing::error!(event_id = id, ?subscriber, %reason, "outbox dead letter");
+                    let Some(subscriber) = subscriber else {
+                        match aggregate {
+                            Some(key) => {
+                                state.stalled.insert(key);
+                            }
+                            None => state.stall_all = true,
+                        }
+                        outcomes.events.push((id, EventOutcome::Dead { reason }));
+                        continue;
+                    };
+                    // One subscriber's delivery: its later events of the aggregate wait.
+                    let (aggregate_type, aggregate_id) = aggregate.unwrap_or_default();
+                    state.blocked.insert((
+                        subscriber.clone(),
+                        aggregate_type.clone(),
+                        aggregate_id,
+                    ));
+                    outcomes.deliveries.push(DeliveryRecord {
+                        event_id: id,
+                        aggregate_type,
+                        aggregate_id,
+                        subscriber,
+                        outcome: DeliveryOutcome::Dead {
+                            attempts: 0,
+                            error: reason,
+                        },
+                    });
                 }
                 Claim::Event {
                     event,
