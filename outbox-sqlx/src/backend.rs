@@ -113,14 +113,15 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         sender: &str,
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    /// Listens for wake-up hints and passes those not marked with `own` to `wake`, until `wake`
-    /// is gone.
+    /// Listens for wake-up hints, on a connection of its own (not one of `pool`'s), and passes
+    /// those not marked with `own` to `wake`, until `closed` says the outbox closed (or is gone).
     #[doc(hidden)]
     fn listen(
         pool: Pool<Self>,
         channel: String,
         own: String,
         wake: std::sync::Weak<tokio::sync::Notify>,
+        closed: tokio::sync::watch::Receiver<bool>,
     ) -> impl Future<Output = ()> + Send + 'static;
 
     #[doc(hidden)]

@@ -122,6 +122,18 @@ impl<DB: Backend, R> Outbox<DB, R> {
 
     /// A relay over this outbox, woken at once by commits made through this handle, and soon
     /// after by commits in other processes (see [`set_cross_process_wakeups`](Self::set_cross_process_wakeups)).
+    ///
+    /// # Connections
+    ///
+    /// A running relay ([`Relay::run`]) takes at most two of the pool's connections at a time,
+    /// each for one statement or one short transaction: one claims the next batch (or renews
+    /// its claim while handlers run) while the other records the last batch. It never holds a
+    /// connection while handlers run. On PostgreSQL the outbox also keeps one connection of its
+    /// own, outside the pool, to `LISTEN` for commits of other processes (none when
+    /// [cross-process wake-ups](Self::set_cross_process_wakeups) are off), and briefly takes a
+    /// pool connection to send `NOTIFY` after commits. A pool of one connection shared by the
+    /// application, a relay and handlers works: they take turns. [`close`](Self::close) ends
+    /// the listener.
     pub fn relay(
         &self,
         router: R,
@@ -253,6 +265,17 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// poll interval.
     pub fn set_cross_process_wakeups(&self, on: bool) {
         self.inner.wakeups.set_cross_process(on);
+    }
+
+    /// Ends what this outbox runs in the background: the connection on which its relays
+    /// `LISTEN` for commits of other processes (a connection of its own, not one of the pool's)
+    /// and the task that sends this process's `NOTIFY`. Returns at once; the listener's
+    /// connection closes within moments. Dropping the last clone of an outbox does the same.
+    ///
+    /// The pool is the application's and stays open: close it with `pool.close()` when nothing
+    /// else uses it. Relays of this outbox still find new events by polling.
+    pub fn close(&self) {
+        self.inner.wakeups.close();
     }
 
     pub(crate) fn wake_relay(&self) {

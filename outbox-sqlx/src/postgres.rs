@@ -8,10 +8,10 @@ use outbox_core::store::{
 };
 use std::sync::Weak;
 
-use sqlx::postgres::{PgListener, PgRow};
+use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
 use sqlx::{AssertSqlSafe, Executor, PgConnection, PgPool, Postgres, Row, SqlStr};
 use time::OffsetDateTime;
-use tokio::sync::Notify;
+use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
@@ -997,18 +997,41 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         Ok(())
     }
 
-    async fn listen(pool: PgPool, channel: String, own: String, wake: Weak<Notify>) {
-        // Reconnects after losing the connection; wakes once after each (re)connection, since
-        // notifications sent meanwhile are lost.
-        while wake.strong_count() > 0 {
-            match listen_until_lost(&pool, &channel, &own, &wake).await {
-                Ok(()) => return,
+    async fn listen(
+        pool: PgPool,
+        channel: String,
+        own: String,
+        wake: Weak<Notify>,
+        mut closed: watch::Receiver<bool>,
+    ) {
+        // A pool of one connection of its own, on the application pool's settings: the
+        // application's pool lends nothing to the listener (a pool of one would be starved), and
+        // closing it does not wait for the listener. The pool reconnects after a loss.
+        let own_pool = PgPoolOptions::new()
+            .max_connections(1)
+            .max_lifetime(None)
+            .idle_timeout(None)
+            .connect_lazy_with((*pool.connect_options()).clone());
+        drop(pool);
+        loop {
+            let outcome = tokio::select! {
+                biased;
+                _ = closed.wait_for(|closed| *closed) => break,
+                outcome = listen_until_lost(&own_pool, &channel, &own, &wake) => outcome,
+            };
+            match outcome {
+                Ok(()) => break,
                 Err(error) => {
                     tracing::debug!(%error, "outbox relay lost its LISTEN connection; reconnecting");
-                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    tokio::select! {
+                        biased;
+                        _ = closed.wait_for(|closed| *closed) => break,
+                        () = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    }
                 }
             }
         }
+        own_pool.close().await;
     }
 
     async fn requeue(
@@ -1037,7 +1060,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
 }
 
 /// Passes notifications on `channel`, except those marked `own`, to `wake` until `wake` is gone
-/// (`Ok`) or the connection is lost (`Err`).
+/// (`Ok`) or the connection is lost (`Err`). The caller stops it when the outbox closes.
 async fn listen_until_lost(
     pool: &PgPool,
     channel: &str,
@@ -1045,7 +1068,6 @@ async fn listen_until_lost(
     wake: &Weak<Notify>,
 ) -> Result<(), sqlx::Error> {
     let mut listener = PgListener::connect_with(pool).await?;
-    listener.ignore_pool_close_event(true);
     listener.listen(channel).await?;
     // Notifications sent while not listening are lost: look once.
     let mut look = true;
@@ -1057,12 +1079,10 @@ async fn listen_until_lost(
             wake.notify_one();
         }
         drop(wake);
-        // Wake up now and then to notice that the store is gone.
-        look = match tokio::time::timeout(Duration::from_secs(30), listener.try_recv()).await {
-            Ok(Ok(Some(notification))) => notification.payload() != own,
-            Err(_) => false,
-            Ok(Ok(None)) => return Err(sqlx::Error::PoolClosed),
-            Ok(Err(error)) => return Err(error),
+        look = match listener.try_recv().await {
+            Ok(Some(notification)) => notification.payload() != own,
+            Ok(None) => return Err(sqlx::Error::PoolClosed),
+            Err(error) => return Err(error),
         };
     }
 }

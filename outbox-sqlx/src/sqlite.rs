@@ -907,7 +907,14 @@ DELETE FROM {outbox} WHERE id IN (
         Ok(())
     }
 
-    async fn listen(_: SqlitePool, _: String, _: String, _: std::sync::Weak<tokio::sync::Notify>) {}
+    async fn listen(
+        _: SqlitePool,
+        _: String,
+        _: String,
+        _: std::sync::Weak<tokio::sync::Notify>,
+        _: tokio::sync::watch::Receiver<bool>,
+    ) {
+    }
 
     async fn requeue(
         pool: &SqlitePool,

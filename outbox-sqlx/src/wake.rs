@@ -11,7 +11,7 @@ use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 use sqlx::Pool;
-use tokio::sync::{Notify, mpsc};
+use tokio::sync::{Notify, mpsc, watch};
 
 use crate::backend::Backend;
 use crate::names::TableNames;
@@ -36,6 +36,8 @@ pub(crate) struct Wakeups {
     notifier: OnceLock<mpsc::Sender<()>>,
     /// Whether the task that `LISTEN`s was started, by the first relay that waits.
     listening: AtomicBool,
+    /// Set when the outbox closes; dropped with it. The listener and the notifier end on either.
+    closed: watch::Sender<bool>,
 }
 
 impl Wakeups {
@@ -47,7 +49,13 @@ impl Wakeups {
             cross_process: AtomicBool::new(true),
             notifier: OnceLock::new(),
             listening: AtomicBool::new(false),
+            closed: watch::Sender::new(false),
         }
+    }
+
+    /// Ends the listener and the notifier.
+    pub(crate) fn close(&self) {
+        self.closed.send_replace(true);
     }
 
     pub(crate) fn set_cross_process(&self, on: bool) {
@@ -64,9 +72,15 @@ impl Wakeups {
             let (poke, mut poked) = mpsc::channel::<()>(1);
             let (pool, channel, sender) =
                 (pool.clone(), self.channel.clone(), self.sender.clone());
+            let mut closed = self.closed.subscribe();
             tokio::spawn(async move {
-                // Ends when the outbox is dropped, with the sender.
-                while poked.recv().await.is_some() {
+                // Ends when the outbox closes or is dropped.
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = closed.wait_for(|closed| *closed) => return,
+                        poke = poked.recv() => if poke.is_none() { return },
+                    }
                     if let Err(error) = DB::notify(&pool, &channel, &sender).await {
                         tracing::debug!(%error, "outbox could not notify relays in other processes");
                     }
@@ -93,6 +107,7 @@ impl Wakeups {
                 self.channel.clone(),
                 self.sender.clone(),
                 wake,
+                self.closed.subscribe(),
             ));
         }
         self.local.notified().await;
