@@ -134,8 +134,50 @@ impl Drop for Workers {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_worker_processes_keep_order_and_lose_nothing() {
+    workers_keep_order(None).await;
+}
+
+/// The same, with the database's default isolation raised: the claim must run at READ
+/// COMMITTED whatever the default (under REPEATABLE READ its snapshot would predate the claim
+/// lock it waited for, and it would claim what the previous claimer just took).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_keep_order_under_repeatable_read_and_serializable_defaults() {
+    workers_keep_order(Some("repeatable read")).await;
+    workers_keep_order(Some("serializable")).await;
+}
+
+/// Whether a commit failed only because of a concurrent transaction: try it again.
+fn is_serialization_failure(error: &outbox_sqlx::Error) -> bool {
+    let text = error.to_string();
+    text.contains("40001") || text.contains("could not serialize") || text.contains("deadlock")
+}
+
+async fn workers_keep_order(isolation: Option<&str>) {
     let db = TestDb::new().await;
-    let outbox: Outbox<Postgres, Counters> = Outbox::new(db.pool.clone());
+    if let Some(isolation) = isolation {
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "ALTER DATABASE \"{}\" SET default_transaction_isolation = '{isolation}'",
+            db.name()
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    // New sessions take the default; the test's own pool connected before.
+    let pool = PgPoolOptions::new()
+        .max_connections(10)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    if let Some(isolation) = isolation {
+        let default: String = sqlx::query_scalar("SHOW default_transaction_isolation")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(default, isolation);
+    }
+    let db_pool = pool;
+    let outbox: Outbox<Postgres, Counters> = Outbox::new(db_pool.clone());
     outbox.migrate().await.unwrap();
     sqlx::raw_sql(
         "CREATE TABLE aggregates (id UUID PRIMARY KEY, version BIGINT NOT NULL);
@@ -143,13 +185,13 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
                             aggregate UUID NOT NULL, version BIGINT NOT NULL,
                             event_id BIGINT NOT NULL, worker INT NOT NULL);",
     )
-    .execute(&db.pool)
+    .execute(&db_pool)
     .await
     .unwrap();
     let aggregates: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
     sqlx::query("INSERT INTO aggregates SELECT unnest($1::uuid[]), 0")
         .bind(&aggregates)
-        .execute(&db.pool)
+        .execute(&db_pool)
         .await
         .unwrap();
 
@@ -174,18 +216,14 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
         .map(|_| {
             let (outbox, aggregates) = (outbox.clone(), aggregates.clone());
             tokio::spawn(async move {
-                for _ in 0..COMMITS_PER_PRODUCER {
+                let mut committed = 0;
+                while committed < COMMITS_PER_PRODUCER {
                     let aggregate = aggregates[fastrand::usize(..aggregates.len())];
-                    let mut tx = outbox.begin().await.unwrap();
-                    let version: i64 = sqlx::query_scalar(
-                        "UPDATE aggregates SET version = version + 1 WHERE id = $1 RETURNING version",
-                    )
-                    .bind(aggregate)
-                    .fetch_one(&mut *tx)
-                    .await
-                    .unwrap();
-                    tx.publish(&Stepped { aggregate, version }).await.unwrap();
-                    tx.commit().await.unwrap();
+                    match step(&outbox, aggregate).await {
+                        Ok(()) => committed += 1,
+                        Err(error) if is_serialization_failure(&error) => {}
+                        Err(error) => panic!("{error}"),
+                    }
                 }
             })
         })
@@ -194,12 +232,13 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
         producer.await.unwrap();
     }
     let total = PRODUCERS * COMMITS_PER_PRODUCER;
+    let db_pool = &db_pool;
 
     // Wait for both subscribers to have handled every event.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
     loop {
         let handled: i64 = sqlx::query_scalar("SELECT count(*) FROM seen")
-            .fetch_one(&db.pool)
+            .fetch_one(db_pool)
             .await
             .unwrap();
         let status = outbox.status().await.unwrap();
@@ -218,11 +257,11 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
     let rows: Vec<(String, Uuid, i64, i64, i32)> = sqlx::query_as(
         "SELECT subscriber, aggregate, version, event_id, worker FROM seen ORDER BY n",
     )
-    .fetch_all(&db.pool)
+    .fetch_all(db_pool)
     .await
     .unwrap();
     let finals: BTreeMap<Uuid, i64> = sqlx::query_as("SELECT id, version FROM aggregates")
-        .fetch_all(&db.pool)
+        .fetch_all(db_pool)
         .await
         .unwrap()
         .into_iter()
@@ -256,4 +295,21 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
     // The work was shared: more than one process delivered.
     let workers: BTreeSet<i32> = rows.iter().map(|r| r.4).collect();
     assert!(workers.len() > 1, "one worker did everything: {workers:?}");
+}
+
+/// One producer commit: bump the aggregate's version and publish it.
+async fn step(
+    outbox: &Outbox<Postgres, Counters>,
+    aggregate: Uuid,
+) -> Result<(), outbox_sqlx::Error> {
+    let mut tx = outbox.begin().await?;
+    let version: i64 = sqlx::query_scalar(
+        "UPDATE aggregates SET version = version + 1 WHERE id = $1 RETURNING version",
+    )
+    .bind(aggregate)
+    .fetch_one(&mut *tx)
+    .await?;
+    tx.publish(&Stepped { aggregate, version }).await?;
+    tx.commit().await?;
+    Ok(())
 }
