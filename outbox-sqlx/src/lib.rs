@@ -83,6 +83,29 @@ pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
 };
 
+/// Test-only hooks into the stores, for fault tests (feature `_fault-injection`; not a public
+/// API).
+#[cfg(feature = "_fault-injection")]
+#[doc(hidden)]
+pub mod __fault_injection {
+    use std::sync::OnceLock;
+
+    static IN_CLAIM: OnceLock<Box<dyn Fn() + Send + Sync>> = OnceLock::new();
+
+    /// Runs `hook` in every PostgreSQL claim, once its transaction holds the claim lock and
+    /// before the claim statement: a blocking hook freezes the claimer there. Set once per
+    /// process.
+    pub fn in_claim(hook: impl Fn() + Send + Sync + 'static) {
+        let _ = IN_CLAIM.set(Box::new(hook));
+    }
+
+    pub(crate) fn claim_lock_held() {
+        if let Some(hook) = IN_CLAIM.get() {
+            hook();
+        }
+    }
+}
+
 /// Imports for code that publishes: the [`Publish`](outbox_core::Publish) port, and the guard
 /// that turns `publish` on a pool or a connection into an explained compile error.
 pub mod prelude {

@@ -748,9 +748,11 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         limit: u32,
         lease: Duration,
     ) -> Result<Batch, sqlx::Error> {
-        // One claimer at a time: the transaction's first statements take the claim lock and end
-        // expired claims; the claim statement then sees every claim and record committed before.
+        // One claimer at a time: the transaction's first statements take the claim lock; the
+        // claim statement then sees every claim and record committed before it was granted.
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
+        #[cfg(feature = "_fault-injection")]
+        crate::__fault_injection::claim_lock_held();
         let rows = sqlx::query(queries.claim.clone())
             .bind(i64::from(limit))
             .bind(lease.as_secs_f64())

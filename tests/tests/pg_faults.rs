@@ -144,7 +144,8 @@ async fn count(pool: &PgPool, sql: &'static str) -> i64 {
 async fn create_subscriber_tables(pool: &PgPool) {
     sqlx::raw_sql(
         "CREATE TABLE audit (event_id BIGINT PRIMARY KEY);
-         CREATE TABLE log (event_id BIGINT NOT NULL);",
+         CREATE TABLE log (n BIGSERIAL PRIMARY KEY, event_id BIGINT NOT NULL,
+                           handled_at TIMESTAMPTZ NOT NULL DEFAULT clock_timestamp());",
     )
     .execute(pool)
     .await
@@ -256,6 +257,202 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
         "{committed} events, {KILLS} relays killed, {} redeliveries to `log`",
         handled as i64 - committed
     );
+}
+
+/// A relay that freezes in its first claim, once it holds the claim lock, when started by
+/// `a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others`: it says so on
+/// stdout and sleeps, and the test stops it there with SIGSTOP.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the relay process of a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others"]
+async fn frozen_claimer_process() {
+    let Ok(url) = std::env::var("OUTBOX_FROZEN_DATABASE") else {
+        return;
+    };
+    let first = AtomicBool::new(true);
+    outbox_sqlx::__fault_injection::in_claim(move || {
+        if first.swap(false, Ordering::SeqCst) {
+            use std::io::Write;
+            println!("claim lock held");
+            std::io::stdout().flush().unwrap();
+            std::thread::sleep(Duration::from_secs(1));
+        }
+    });
+    let pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let outbox: Outbox<Postgres, Bank> = Outbox::new(pool.clone());
+    let relay = outbox
+        .relay(
+            Bank {
+                audit: Audit(pool.clone()),
+                log: Log(pool),
+            },
+            RelayConfig::default().with_poll_interval(Duration::from_millis(20)),
+        )
+        .unwrap();
+    relay.run(std::future::pending()).await;
+}
+
+/// A child process that is continued (it may be stopped) and killed when the test ends, also
+/// when it fails.
+struct Stoppable(Child);
+
+impl Drop for Stoppable {
+    fn drop(&mut self) {
+        signal(&self.0, "CONT");
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Sends `signal` (`STOP`, `CONT`) to a process.
+fn signal(child: &Child, signal: &str) {
+    let status = Command::new("kill")
+        .args([format!("-{signal}"), child.id().to_string()])
+        .status()
+        .expect("run kill");
+    assert!(
+        status.success() || signal == "CONT",
+        "kill -{signal} failed"
+    );
+}
+
+/// Deposits `n` times on each of `accounts`, one commit each.
+async fn deposit_each(outbox: &Outbox<Postgres, Bank>, accounts: &[Uuid], n: usize) {
+    for _ in 0..n {
+        for &account in accounts {
+            let mut tx = outbox.begin().await.unwrap();
+            tx.publish(&Deposited { account, amount: 1 }).await.unwrap();
+            tx.commit().await.unwrap();
+        }
+    }
+}
+
+/// Checks that `log` saw each account's events first in commit (id) order.
+async fn check_order(pool: &PgPool) {
+    let rows: Vec<(i64, Uuid)> = sqlx::query_as(
+        "SELECT l.event_id, o.aggregate_id FROM log AS l
+         JOIN events.outbox AS o ON o.id = l.event_id ORDER BY l.n",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut seen = BTreeSet::new();
+    let mut last: std::collections::HashMap<Uuid, i64> = std::collections::HashMap::new();
+    for (event, account) in rows {
+        if !seen.insert(event) {
+            continue; // a redelivery; order is about first handlings
+        }
+        let previous = last.insert(account, event).unwrap_or(0);
+        assert!(
+            previous < event,
+            "event {event} of {account} was first handled after event {previous}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others() {
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Bank> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    create_subscriber_tables(&db.pool).await;
+    let accounts: Vec<Uuid> = (0..4).map(|_| Uuid::new_v4()).collect();
+    deposit_each(&outbox, &accounts, 5).await;
+
+    // A relay process freezes inside its claim transaction, holding the claim lock.
+    let mut frozen = Stoppable(
+        Command::new(std::env::current_exe().unwrap())
+            .args([
+                "frozen_claimer_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("OUTBOX_FROZEN_DATABASE", db.url())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start the relay process"),
+    );
+    let stdout = frozen.0.stdout.take().unwrap();
+    let held = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+            .any(|line| line.contains("claim lock held"))
+    });
+    assert!(
+        tokio::time::timeout(Duration::from_secs(30), held)
+            .await
+            .expect("the relay process reaches its claim")
+            .unwrap()
+    );
+    signal(&frozen.0, "STOP");
+    let frozen_at = tokio::time::Instant::now();
+
+    // Another relay delivers all the same, within a few seconds.
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&db.url())
+        .await
+        .unwrap();
+    let relay = Outbox::<Postgres, Bank>::new(relay_pool.clone())
+        .relay(
+            Bank {
+                audit: Audit(relay_pool.clone()),
+                log: Log(relay_pool),
+            },
+            RelayConfig::default().with_poll_interval(Duration::from_millis(20)),
+        )
+        .unwrap();
+    let stop = Arc::new(Notify::new());
+    let worker = tokio::spawn({
+        let stop = stop.clone();
+        async move { relay.run(stop.notified()).await }
+    });
+    let first = accounts.len() as i64 * 5;
+    while count(&db.pool, "SELECT count(*) FROM audit").await < first {
+        assert!(
+            frozen_at.elapsed() < Duration::from_secs(10),
+            "nothing delivered 10 s into the freeze"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let delivered_in = frozen_at.elapsed();
+    assert!(
+        delivered_in < Duration::from_secs(5),
+        "the other relay delivered {delivered_in:?} into the freeze"
+    );
+    deposit_each(&outbox, &accounts, 5).await;
+
+    // The frozen relay resumes (its session was ended while it was frozen) and works again.
+    signal(&frozen.0, "CONT");
+    deposit_each(&outbox, &accounts, 5).await;
+    let total = accounts.len() as i64 * 15;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
+        let status = outbox.status().await.unwrap();
+        if audited == total && status.is_settled() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{audited} of {total} audited; {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.notify_one();
+    worker.await.unwrap();
+    drop(frozen);
+    let (events, _) = check_every_event_delivered(&db.pool, &db.pool).await;
+    assert_eq!(events as i64, total);
+    check_order(&db.pool).await;
+    println!("delivered {delivered_in:?} into the freeze of the claim lock's holder");
 }
 
 /// The (`backoff`, `retry_in`) of each "cannot reach its store" warning of the relay, in
