@@ -304,15 +304,27 @@ impl<DB: Backend> std::fmt::Debug for SqlStore<DB> {
     }
 }
 
-/// A store error, saying whether it was one connection that broke (closed, reset, or ended by
-/// the server): the relay then retries at once on a new connection instead of backing off.
+/// A store error, saying whether it was one connection that broke (reset, closed, or ended by
+/// the server: another connection may work at once) rather than the store being unreachable
+/// (refused, timed out, starting up, no connection to be had: worth backing off).
 fn store_error(error: sqlx::Error) -> StoreError {
+    use std::io::ErrorKind;
     let lost = match &error {
-        sqlx::Error::Io(_) => true,
-        // admin_shutdown, crash_shutdown, cannot_connect_now, idle_in_transaction_session_timeout,
-        // and the connection exceptions of class 08.
+        sqlx::Error::Io(io) => matches!(
+            io.kind(),
+            ErrorKind::BrokenPipe
+                | ErrorKind::ConnectionReset
+                | ErrorKind::ConnectionAborted
+                | ErrorKind::NotConnected
+                | ErrorKind::UnexpectedEof
+        ),
+        // admin_shutdown (pg_terminate_backend), idle_in_transaction_session_timeout, and the
+        // connection exceptions of class 08 (but not 08001/08004: a connection refused).
         sqlx::Error::Database(db) => db.code().is_some_and(|code| {
-            matches!(code.as_ref(), "57P01" | "57P02" | "57P03" | "25P03") || code.starts_with("08")
+            matches!(
+                code.as_ref(),
+                "57P01" | "25P03" | "08000" | "08003" | "08006"
+            )
         }),
         _ => false,
     };

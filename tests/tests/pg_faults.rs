@@ -455,6 +455,137 @@ async fn a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others() 
     println!("delivered {delivered_in:?} into the freeze of the claim lock's holder");
 }
 
+/// Sessions of the relay in `terminated_connections_cost_about_a_second`.
+const CHAOS: &str = "outbox_chaos";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn terminated_connections_cost_about_a_second() {
+    const RATE: u64 = 100; // events per second
+    const CHAOS_FOR: Duration = Duration::from_secs(30);
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Bank> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    create_subscriber_tables(&db.pool).await;
+
+    // Four relay tasks on a pool whose sessions are terminated twice a second; the handlers
+    // write with the test's own pool, which is left alone. The pool does not ping connections
+    // before handing them out (a common setting: it saves a round trip per use), so the relay
+    // itself meets the connections that were terminated while idle.
+    let relay_pool = PgPoolOptions::new()
+        .max_connections(8)
+        .test_before_acquire(false)
+        .connect_with(
+            db.url()
+                .parse::<sqlx::postgres::PgConnectOptions>()
+                .unwrap()
+                .application_name(CHAOS),
+        )
+        .await
+        .unwrap();
+    let relay = Arc::new(
+        Outbox::<Postgres, Bank>::new(relay_pool)
+            .relay(
+                Bank {
+                    audit: Audit(db.pool.clone()),
+                    log: Log(db.pool.clone()),
+                },
+                RelayConfig::default().with_poll_interval(Duration::from_millis(100)),
+            )
+            .unwrap(),
+    );
+    let stop = Arc::new(Notify::new());
+    let workers: Vec<_> = (0..4)
+        .map(|_| {
+            let (relay, stop) = (relay.clone(), stop.clone());
+            tokio::spawn(async move { relay.run(stop.notified()).await })
+        })
+        .collect();
+
+    let accounts: Vec<Uuid> = (0..16).map(|_| Uuid::new_v4()).collect();
+    let producing = Arc::new(AtomicBool::new(true));
+    let producer = tokio::spawn({
+        let (outbox, accounts, producing) = (outbox.clone(), accounts.clone(), producing.clone());
+        async move {
+            let mut tick = tokio::time::interval(Duration::from_micros(1_000_000 / RATE));
+            let mut committed = 0_i64;
+            while producing.load(Ordering::Relaxed) {
+                tick.tick().await;
+                let account = accounts[fastrand::usize(..accounts.len())];
+                let mut tx = outbox.begin().await.unwrap();
+                tx.publish(&Deposited { account, amount: 1 }).await.unwrap();
+                tx.commit().await.unwrap();
+                committed += 1;
+            }
+            committed
+        }
+    });
+
+    // The chaos: every backend of the relay, twice a second; the backlog, four times a second.
+    let started = tokio::time::Instant::now();
+    let (mut terminated, mut backlog) = (0, Vec::new());
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    while started.elapsed() < CHAOS_FOR {
+        tick.tick().await;
+        if backlog.len() % 2 == 0 {
+            terminated += db.kill_sessions(CHAOS).await;
+        }
+        backlog.push(outbox.status().await.unwrap().pending_events);
+    }
+    let chaos_ended = tokio::time::Instant::now();
+    producing.store(false, Ordering::Relaxed);
+    let committed = producer.await.unwrap();
+
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
+        let status = outbox.status().await.unwrap();
+        if audited == committed && status.is_settled() {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{audited} of {committed} audited 30 s after the chaos; {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.notify_waiters();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let (events, handled) = check_every_event_delivered(&db.pool, &db.pool).await;
+    assert_eq!(events as i64, committed);
+    check_order(&db.pool).await;
+
+    // Deliveries never stopped for 5 s during the chaos, and the backlog stayed small.
+    let gaps: Vec<f64> = sqlx::query_scalar::<_, Option<f64>>(
+        "SELECT extract(epoch FROM handled_at - lag(handled_at) OVER (ORDER BY handled_at))::float8
+         FROM log WHERE handled_at <= now() - $1 * interval '1 second'",
+    )
+    .bind(chaos_ended.elapsed().as_secs_f64())
+    .fetch_all(&db.pool)
+    .await
+    .unwrap()
+    .into_iter()
+    .flatten()
+    .collect();
+    let longest = gaps.iter().copied().fold(0.0, f64::max);
+    let most = backlog.iter().copied().max().unwrap_or(0);
+    println!(
+        "{committed} events, {terminated} sessions terminated in {CHAOS_FOR:?}, {} \
+         redeliveries; longest pause between deliveries {longest:.2} s; backlog at most {most}",
+        handled - events
+    );
+    assert!(terminated >= 60, "only {terminated} sessions terminated");
+    assert!(
+        longest < 5.0,
+        "no delivery for {longest:.2} s while connections were terminated"
+    );
+    assert!(
+        most <= 3 * RATE,
+        "the backlog reached {most} events: more than 3 s of production"
+    );
+}
+
 /// The (`backoff`, `retry_in`) of each "cannot reach its store" warning of the relay, in
 /// order: the backoff before jitter, and the wait after.
 #[derive(Clone, Default)]

@@ -91,7 +91,9 @@ impl Lease {
                             "outbox relay cannot renew the claim of its batch; retrying"
                         );
                         // A broken connection is replaced at once; anything else waits a little.
-                        if error.is_connection_lost() && lost_connections < 2 {
+                        if error.is_connection_lost()
+                            && lost_connections < super::LOST_CONNECTIONS_RETRIED_AT_ONCE
+                        {
                             lost_connections += 1;
                         } else {
                             tokio::time::sleep(retry).await;

@@ -95,6 +95,12 @@ impl Chores {
     }
 }
 
+/// How many broken connections in a row are retried at once. Each broken connection is
+/// dropped from its pool, so a pool whose idle connections were all ended (a database
+/// restarting its sessions, a proxy dropping them) is worked through at once, not over an
+/// exponential backoff; past this, something keeps breaking connections: back off.
+pub(crate) const LOST_CONNECTIONS_RETRIED_AT_ONCE: u32 = 16;
+
 /// Consecutive store failures of a running relay, and how long to wait after the next one.
 #[derive(Default)]
 struct Failures {
@@ -105,11 +111,11 @@ struct Failures {
 }
 
 impl Failures {
-    /// A broken connection is replaced and the work retried at once (twice in a row at most);
-    /// anything else, or a connection that keeps breaking, waits an exponential backoff with
-    /// jitter: (before jitter, after jitter), or `None` to retry at once.
+    /// A broken connection is replaced and the work retried at once; a store that cannot be
+    /// reached, or connections that keep breaking, wait an exponential backoff with jitter:
+    /// (before jitter, after jitter), or `None` to retry at once.
     fn after(&mut self, error: &StoreError, max: Duration) -> Option<(Duration, Duration)> {
-        if error.is_connection_lost() && self.lost_connections < 2 {
+        if error.is_connection_lost() && self.lost_connections < LOST_CONNECTIONS_RETRIED_AT_ONCE {
             self.lost_connections += 1;
             return None;
         }
@@ -389,7 +395,7 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// logged: its outcomes are dropped.
     async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
         let mut wait = Duration::from_millis(50);
-        let mut tries = 1;
+        let (mut tries, mut lost_connections) = (1, 0);
         loop {
             match self.store.record(token, outcomes).await {
                 Ok(Recorded::Applied) => return Ok(Recorded::Applied),
@@ -403,13 +409,19 @@ impl<S: Store, R: Router> Relay<S, R> {
                     );
                     return Ok(Recorded::Lost);
                 }
+                // A broken connection: at once, on another, without using up a try.
+                Err(error)
+                    if error.is_connection_lost()
+                        && lost_connections < LOST_CONNECTIONS_RETRIED_AT_ONCE =>
+                {
+                    tracing::debug!(%error, "outbox relay lost a connection recording a batch");
+                    lost_connections += 1;
+                }
                 Err(error) if tries >= 5 => return Err(error),
                 Err(error) => {
                     tracing::warn!(%error, tries, "outbox relay cannot record a batch; retrying");
-                    if !error.is_connection_lost() {
-                        tokio::time::sleep(wait).await;
-                        wait *= 2;
-                    }
+                    tokio::time::sleep(wait).await;
+                    wait *= 2;
                     tries += 1;
                 }
             }
@@ -430,6 +442,34 @@ mod tests {
         assert_eq!(config.batch_size(), 50);
         assert_eq!(config.retry(), &RetryPolicy::default());
         assert!(config.handler_timeout() * 2 < config.lease());
+    }
+
+    #[test]
+    fn broken_connections_are_retried_at_once_and_outages_back_off_with_jitter() {
+        let max = Duration::from_secs(1);
+        let lost = || StoreError::connection_lost("connection reset");
+        let down = || StoreError::new("connection refused");
+        let mut failures = Failures::default();
+        for _ in 0..LOST_CONNECTIONS_RETRIED_AT_ONCE {
+            assert_eq!(failures.after(&lost(), max), None);
+        }
+        // Connections that keep breaking: back off, as for a store that cannot be reached.
+        let (backoff, _) = failures.after(&lost(), max).unwrap();
+        assert_eq!(backoff, Duration::from_millis(50));
+        let mut expected = backoff;
+        for _ in 0..6 {
+            expected = (expected * 2).min(max);
+            let (backoff, retry_in) = failures.after(&down(), max).unwrap();
+            assert_eq!(backoff, expected);
+            assert!(backoff / 2 <= retry_in && retry_in <= backoff, "{retry_in:?}");
+        }
+        assert_eq!(expected, max);
+        failures.reset();
+        assert_eq!(failures.after(&lost(), max), None);
+        assert_eq!(
+            failures.after(&down(), max).map(|(backoff, _)| backoff),
+            Some(Duration::from_millis(50))
+        );
     }
 
     #[test]
