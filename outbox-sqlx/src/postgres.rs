@@ -405,13 +405,15 @@ decided AS MATERIALIZED (
     -- A candidate waits when its aggregate is in a live claim, or has an earlier stalled event.
     -- Behind a claim older than $3 seconds (a slow batch, a dead relay) it is set aside, held by
     -- that claim; behind a young one it is only skipped (the claim will be over in a moment).
-    -- Behind a dead or parked event, it is set aside behind that event.
+    -- Behind a dead or parked event, or an event set aside behind one, it is set aside behind
+    -- that event. Behind an event held by a claim that is not live (it ended, and this
+    -- statement releases what it held), it is only skipped: taking over that hold would
+    -- outlive its release.
     SELECT c.id, c.aggregate_type, c.aggregate_id,
            CASE
                WHEN h.claim_id IS NOT NULL THEN
                    CASE WHEN h.claimed_at < clock_timestamp() - $3 * interval '1 second'
                         THEN h.claim_id END
-               WHEN s.id < c.id THEN s.held_by
            END AS mark_by,
            CASE
                WHEN h.claim_id IS NULL AND s.id < c.id THEN
@@ -1479,6 +1481,83 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(held, HELD + ARRIVING);
+    }
+
+    /// Claims and records as a relay would, until a claim finds nothing; returns the event ids
+    /// claimed, in order.
+    async fn drain_ids(pool: &PgPool, queries: &PgQueries) -> Vec<i64> {
+        let mut claimed = Vec::new();
+        loop {
+            let batch = Postgres::claim(pool, queries, 10, Duration::from_secs(60))
+                .await
+                .unwrap();
+            if batch.is_empty() && !batch.more {
+                return claimed;
+            }
+            let mut outcomes = Outcomes::default();
+            for claim in &batch.claims {
+                claimed.push(claim.event_id());
+                outcomes
+                    .events
+                    .push((claim.event_id(), EventOutcome::Published));
+            }
+            if !batch.is_empty() {
+                let recorded = Postgres::record(pool, queries, batch.token, &outcomes)
+                    .await
+                    .unwrap();
+                assert_eq!(recorded, Recorded::Applied);
+            }
+        }
+    }
+
+    /// Events held behind a claim that lasted are released when it ends; an event arriving
+    /// behind them meanwhile must not take over their hold: the claim that releases them once
+    /// copied it onto the newcomer (held by a claim no one would release again), which then
+    /// waited for ever.
+    #[tokio::test]
+    async fn an_event_behind_released_ones_is_not_held_by_the_claim_that_ended() {
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let x = Uuid::new_v4();
+        let insert = || {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('t', $1, 'E', '{}') RETURNING id",
+            )
+            .bind(x)
+            .fetch_one(&db.pool)
+        };
+        // A relay claims e1 and dies; its claim has lasted.
+        let e1 = insert().await.unwrap();
+        let first = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(first.claims.len(), 1);
+        sqlx::query("UPDATE events.outbox_claims SET claimed_at = now() - interval '1 minute'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        // e2 arrives and is set aside behind that claim.
+        let e2 = insert().await.unwrap();
+        let batch = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert!(batch.is_empty() && batch.more, "{batch:?}");
+        // The dead relay's claim expires; e3 arrives.
+        sqlx::query("UPDATE events.outbox_claims SET until = now() - interval '1 second'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let e3 = insert().await.unwrap();
+
+        assert_eq!(drain_ids(&db.pool, &queries).await, [e1, e2, e3]);
+        let held: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM events.outbox WHERE held_by IS NOT NULL OR held_behind IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(held, 0);
     }
 
     /// Retention deletes old events one statement per batch; each deleted event's foreign key is

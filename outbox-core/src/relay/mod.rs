@@ -461,7 +461,10 @@ mod tests {
             expected = (expected * 2).min(max);
             let (backoff, retry_in) = failures.after(&down(), max).unwrap();
             assert_eq!(backoff, expected);
-            assert!(backoff / 2 <= retry_in && retry_in <= backoff, "{retry_in:?}");
+            assert!(
+                backoff / 2 <= retry_in && retry_in <= backoff,
+                "{retry_in:?}"
+            );
         }
         assert_eq!(expected, max);
         failures.reset();
