@@ -127,6 +127,19 @@ pub trait TestBackend: Backend + Sized {
 
     /// How many accounts there are.
     fn account_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
+
+    /// Creates the table `effects (event_id, relay)`: what handlers did, one row each.
+    fn create_effects(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
+
+    /// Records, on `conn`, that relay `relay` handled event `event_id`.
+    fn insert_effect(
+        conn: &mut Self::Connection,
+        event_id: i64,
+        relay: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Every effect, as (event id, relay), in insertion order.
+    fn effects(pool: &Pool<Self>) -> impl Future<Output = Vec<(i64, String)>> + Send;
 }
 
 /// A fresh, migrated outbox on backend `B`, tied to router `R`.
@@ -294,6 +307,35 @@ impl TestBackend for Postgres {
             .execute(&mut **tx)
             .await
             .unwrap();
+    }
+
+    async fn create_effects(pool: &Pool<Postgres>) {
+        sqlx::query(
+            "CREATE TABLE effects (n BIGSERIAL PRIMARY KEY, event_id BIGINT NOT NULL, relay TEXT NOT NULL)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn insert_effect(
+        conn: &mut sqlx::PgConnection,
+        event_id: i64,
+        relay: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO effects (event_id, relay) VALUES ($1, $2)")
+            .bind(event_id)
+            .bind(relay)
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+
+    async fn effects(pool: &Pool<Postgres>) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT event_id, relay FROM effects ORDER BY n")
+            .fetch_all(pool)
+            .await
+            .unwrap()
     }
 
     async fn account_count(pool: &Pool<Postgres>) -> i64 {
@@ -483,6 +525,35 @@ impl TestBackend for Sqlite {
             .execute(&mut **tx)
             .await
             .unwrap();
+    }
+
+    async fn create_effects(pool: &Pool<Sqlite>) {
+        sqlx::query(
+            "CREATE TABLE effects (n INTEGER PRIMARY KEY AUTOINCREMENT, event_id INTEGER NOT NULL, relay TEXT NOT NULL)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn insert_effect(
+        conn: &mut sqlx::SqliteConnection,
+        event_id: i64,
+        relay: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO effects (event_id, relay) VALUES ($1, $2)")
+            .bind(event_id)
+            .bind(relay)
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+
+    async fn effects(pool: &Pool<Sqlite>) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT event_id, relay FROM effects ORDER BY n")
+            .fetch_all(pool)
+            .await
+            .unwrap()
     }
 
     async fn account_count(pool: &Pool<Sqlite>) -> i64 {

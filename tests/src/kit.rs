@@ -70,6 +70,12 @@ pub struct Seen {
     pub ok: bool,
     /// The metadata delivered with the event.
     pub metadata: Metadata,
+    /// The claim the call ran under.
+    pub claim: Option<i64>,
+    /// How many earlier claims of the delivery had expired.
+    pub expired_claims: u32,
+    /// Whether the delivery said it may be a redelivery.
+    pub redelivery: bool,
 }
 
 /// What a scripted handler call does instead of succeeding.
@@ -272,6 +278,9 @@ macro_rules! probe_handlers {
                     attempt: delivery.attempt(),
                     ok: false,
                     metadata: delivery.metadata().clone(),
+                    claim: delivery.claim_token().map(|token| token.get()),
+                    expired_claims: delivery.expired_claims(),
+                    redelivery: delivery.is_redelivery(),
                 })
                 .await
             }

@@ -6,7 +6,10 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
+use outbox_core::{
+    ClaimToken, Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, router,
+    subscriber,
+};
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, PingTock, Pong, Probe, Tock, run_until};
@@ -23,6 +26,8 @@ on_both_backends!(
     a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_transient_failure,
     a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_permanent_failure,
     aggregates_of_two_types_with_one_id_do_not_block_each_other,
+    a_redelivery_after_an_expired_claim_says_so,
+    a_handler_fencing_its_writes_with_the_claim_token_writes_nothing_once_the_claim_is_lost,
 );
 
 const BATCH: u32 = 10;
@@ -423,6 +428,182 @@ async fn aggregates_of_two_types_with_one_id_do_not_block_each_other<B: TestBack
     task.abort();
 }
 
+/// A handler learns when an event may have been handled before: after the claim of a relay
+/// that died expired (a redelivery of attempt 1), and after a failed attempt.
+async fn a_redelivery_after_an_expired_claim_says_so<B: TestBackend>() {
+    let (_db, outbox) = outbox::<B, PingPong>().await;
+    let probe = Probe::default();
+    let aggregate = Uuid::new_v4();
+    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        aggregate,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: never,
+        }],
+    );
+    probe.fail("x", aggregate, 2, [Fail::Transient]);
+    publish(&outbox, aggregate, 1..2).await;
+    let short = config()
+        .with_lease(Duration::from_secs(1))
+        .with_handler_timeout(ms(400))
+        .with_retry(RetryPolicy::new([ms(50)]).unwrap());
+    let crashed = relay(&outbox, OnlyX::new(&probe), short.clone());
+    let task = tokio::spawn(async move { crashed.run_once().await });
+    entered.notified().await;
+    task.abort();
+    let _ = task.await;
+
+    let relay = relay(&outbox, OnlyX::new(&probe), short);
+    run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x") == [(aggregate, 1)]
+    })
+    .await;
+    publish(&outbox, aggregate, 2..4).await;
+    run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 3
+    })
+    .await;
+    let seen: Vec<(u32, u32, u32, bool)> = probe
+        .seen()
+        .into_iter()
+        .filter(|s| s.subscriber == "x")
+        .map(|s| (s.seq, s.attempt, s.expired_claims, s.redelivery))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            // Redelivered after the dead relay's claim expired: attempt 1, but maybe handled.
+            (1, 1, 1, true),
+            // Failed once, then attempt 2.
+            (2, 1, 0, false),
+            (2, 2, 0, true),
+            (3, 1, 0, false),
+        ]
+    );
+    assert!(probe.seen().iter().all(|s| s.claim.is_some()));
+}
+
+/// Writes an effect row for each event, in a transaction that first locks the claim it runs
+/// under (`Outbox::hold_claim`): the write happens only while the claim is live.
+#[subscriber(events = [Ping], name = "x")]
+struct Fenced(Arc<dyn Fn(i64, Option<ClaimToken>) -> EffectFuture + Send + Sync>);
+
+type EffectFuture = std::pin::Pin<Box<dyn Future<Output = Result<(), HandlerError>> + Send>>;
+
+impl Handle<Ping> for Fenced {
+    async fn handle(&self, _: &Ping, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+        (self.0)(delivery.event().id, delivery.claim_token()).await
+    }
+}
+
+#[router(events = [Ping])]
+struct FencedApp {
+    x: Fenced,
+}
+
+/// The fenced handler of relay `name` over `outbox`; it first runs `before` (a freeze).
+fn fenced<B: TestBackend>(
+    outbox: Outbox<B, FencedApp>,
+    name: &'static str,
+    before: Arc<dyn Fn() + Send + Sync>,
+) -> FencedApp {
+    FencedApp {
+        x: Fenced(Arc::new(move |event_id, token| {
+            before();
+            let outbox = outbox.clone();
+            Box::pin(async move {
+                let token = token.expect("a relay's delivery runs under a claim");
+                let mut tx = outbox.pool().begin().await?;
+                if !outbox
+                    .hold_claim(&mut *tx, token)
+                    .await
+                    .map_err(HandlerError::transient)?
+                {
+                    return Err(HandlerError::transient(
+                        "the claim of this delivery was lost",
+                    ));
+                }
+                B::insert_effect(&mut *tx, event_id, name).await?;
+                tx.commit().await?;
+                Ok(())
+            })
+        })),
+    }
+}
+
+/// Relay A freezes in its handler (its thread blocked) before writing, past its lease; relay
+/// B takes the event over and writes its effect. A resumes: its write is refused, because it
+/// locks its claim first and finds it gone. One effect row, B's.
+async fn a_handler_fencing_its_writes_with_the_claim_token_writes_nothing_once_the_claim_is_lost<
+    B: TestBackend,
+>() {
+    let (db, outbox) = outbox::<B, FencedApp>().await;
+    B::create_effects(outbox.pool()).await;
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Ping {
+        aggregate: Uuid::new_v4(),
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let lease = Duration::from_secs(1);
+    let config = config().with_lease(lease).with_handler_timeout(ms(400));
+
+    let (entered_tx, entered) = std::sync::mpsc::sync_channel::<()>(1);
+    let (release, released) = std::sync::mpsc::sync_channel::<()>(1);
+    let released = std::sync::Mutex::new(Some(released));
+    let freeze: Arc<dyn Fn() + Send + Sync> = Arc::new(move || {
+        if let Some(released) = released.lock().unwrap().take() {
+            entered_tx.send(()).unwrap();
+            released.recv().unwrap();
+        }
+    });
+    let relay_a = std::thread::spawn({
+        let (config, url) = (config.clone(), B::url(&db));
+        move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async move {
+                    let outbox = Outbox::<B, FencedApp>::new(B::connect(url).await);
+                    let relay = outbox
+                        .relay(fenced(outbox.clone(), "a", freeze), config)
+                        .unwrap();
+                    relay.run_once().await.map(|report| report.lost)
+                })
+        }
+    });
+    tokio::task::spawn_blocking(move || entered.recv().unwrap())
+        .await
+        .unwrap();
+    let relay_b = outbox
+        .relay(fenced(outbox.clone(), "b", Arc::new(|| {})), config)
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while B::effects(outbox.pool()).await.is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "B wrote nothing");
+        relay_b.run_once().await.unwrap();
+        tokio::time::sleep(ms(20)).await;
+    }
+    release.send(()).unwrap();
+    let lost = tokio::task::spawn_blocking(move || relay_a.join().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(lost, "A's batch was lost");
+    let effects: Vec<String> = B::effects(outbox.pool())
+        .await
+        .into_iter()
+        .map(|(_, relay)| relay)
+        .collect();
+    assert_eq!(effects, ["b"]);
+}
+
 async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_transient_failure<
     B: TestBackend,
 >() {
@@ -612,6 +793,35 @@ mod memory {
             status.is_settled() && status.dead_letters == 0,
             "{status:?}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_redelivery_after_an_expired_claim_says_so() {
+        let (store, probe, aggregate) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
+        let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+        probe.fail(
+            "x",
+            aggregate,
+            1,
+            [Fail::Block {
+                entered: entered.clone(),
+                release: never,
+            }],
+        );
+        publish(&store, aggregate, 1..2);
+        let crashed = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        let task = tokio::spawn(async move { crashed.run_once().await });
+        entered.notified().await;
+        task.abort();
+        store.clock().advance(Duration::from_secs(11));
+        let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
+        drain(&relay).await.unwrap();
+        let seen: Vec<(u32, u32, bool)> = probe
+            .seen()
+            .into_iter()
+            .map(|s| (s.attempt, s.expired_claims, s.redelivery))
+            .collect();
+        assert_eq!(seen, [(1, 1, true)]);
     }
 
     #[tokio::test]
