@@ -1560,6 +1560,47 @@ mod tests {
         assert_eq!(held, 0);
     }
 
+    /// A lease runs from when the claim is granted, after any wait for the claim lock: a claim
+    /// that waited longer than its lease still holds its batch for a whole lease.
+    #[tokio::test]
+    async fn a_lease_runs_from_when_the_claim_lock_is_granted() {
+        let db = migrated().await;
+        let names = TableNames::default();
+        let queries = Postgres::queries(&names);
+        sqlx::query(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('t', gen_random_uuid(), 'E', '{}')",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        // Another claimer holds the claim lock for 1.5 s.
+        let mut holder = db.pool.begin().await.unwrap();
+        sqlx::query("SELECT pg_advisory_xact_lock($1)")
+            .bind((i64::from(names.lock_namespace()) << 1) | 1)
+            .execute(&mut *holder)
+            .await
+            .unwrap();
+        let claim = tokio::spawn({
+            let pool = db.pool.clone();
+            async move { Postgres::claim(&pool, &queries, 10, Duration::from_secs(1)).await }
+        });
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        holder.commit().await.unwrap();
+        let batch = claim.await.unwrap().unwrap();
+        assert_eq!(batch.claims.len(), 1);
+        let left: f64 = sqlx::query_scalar(
+            "SELECT extract(epoch FROM until - clock_timestamp())::float8 FROM events.outbox_claims",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert!(
+            left > 0.8,
+            "the lease has {left} s left just after the claim"
+        );
+    }
+
     /// Retention deletes old events one statement per batch; each deleted event's foreign key is
     /// checked against the deliveries. With a subscriber down for long the deliveries pile up,
     /// and a check that scans them all per deleted event made purges (and the relay that runs

@@ -87,6 +87,8 @@ pub enum Fail {
     Permanent,
     /// Returns a transient error with this message.
     Message(String),
+    /// Takes this long (asynchronously), then succeeds.
+    Delay(Duration),
     /// Panics.
     Panic,
     /// Signals `entered`, then waits for `release` before succeeding.
@@ -204,6 +206,10 @@ impl Probe {
             Some(Fail::Transient) => Err(HandlerError::transient("scripted transient failure")),
             Some(Fail::Permanent) => Err(HandlerError::permanent("scripted permanent failure")),
             Some(Fail::Message(message)) => Err(HandlerError::transient(message)),
+            Some(Fail::Delay(delay)) => {
+                tokio::time::sleep(delay).await;
+                Ok(())
+            }
             Some(Fail::Panic) => {
                 self.log(seen, false);
                 panic!("scripted panic");

@@ -6,6 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use outbox_core::telemetry;
 use outbox_core::{
     ClaimToken, Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, router,
     subscriber,
@@ -27,6 +29,7 @@ on_both_backends!(
     a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_permanent_failure,
     aggregates_of_two_types_with_one_id_do_not_block_each_other,
     a_redelivery_after_an_expired_claim_says_so,
+    a_batch_that_outlasts_its_lease_keeps_its_claim_by_renewing_it,
     a_handler_fencing_its_writes_with_the_claim_token_writes_nothing_once_the_claim_is_lost,
 );
 
@@ -282,11 +285,19 @@ async fn paused_past_lease<B: TestBackend>(failure: Fail) {
                 .build()
                 .unwrap()
                 .block_on(async move {
+                    // A's metrics, on its own thread.
+                    let recorder = DebuggingRecorder::new();
+                    let _recording = metrics::set_default_local_recorder(&recorder);
                     let outbox = Outbox::<B, PingPong>::new(B::connect(url).await);
-                    relay(&outbox, OnlyX::new(&probe), config)
-                        .run_once()
-                        .await
-                        .map(|report| report.claimed)
+                    let report = relay(&outbox, OnlyX::new(&probe), config).run_once().await;
+                    let lost = recorder
+                        .snapshotter()
+                        .snapshot()
+                        .into_vec()
+                        .into_iter()
+                        .find(|(key, ..)| key.key().name() == telemetry::CLAIMS_LOST_TOTAL)
+                        .map(|(.., value)| value);
+                    report.map(|report| (report.claimed, report.lost, lost))
                 })
         }
     });
@@ -309,11 +320,18 @@ async fn paused_past_lease<B: TestBackend>(failure: Fail) {
 
     // A resumes: its handler fails; it must neither record that nor call x again.
     release.send(()).unwrap();
-    let claimed = tokio::task::spawn_blocking(move || relay_a.join().unwrap())
+    let (claimed, lost, counted) = tokio::task::spawn_blocking(move || relay_a.join().unwrap())
         .await
         .unwrap()
         .expect("relay A's batch ends without a store error");
     assert_eq!(claimed, 2, "A had claimed both events");
+    assert!(lost, "A's batch was lost");
+    assert_eq!(
+        counted,
+        Some(DebugValue::Counter(1)),
+        "A counted its lost claim in {}",
+        telemetry::CLAIMS_LOST_TOTAL
+    );
     // Long enough for any retry A might have scheduled (50 ms) to come due and be delivered.
     let settle = tokio::time::Instant::now() + ms(500);
     while tokio::time::Instant::now() < settle {
@@ -426,6 +444,48 @@ async fn aggregates_of_two_types_with_one_id_do_not_block_each_other<B: TestBack
     publish_tock(&outbox, shared, 2).await;
     run_until(&relay, BOUND, || handled(&probe, "Tock", shared) == [2]).await;
     task.abort();
+}
+
+/// A batch whose handlers take three times its lease keeps its claim: the relay renews it as
+/// they run, and another relay claiming all along takes none of its events.
+async fn a_batch_that_outlasts_its_lease_keeps_its_claim_by_renewing_it<B: TestBackend>() {
+    let (_db, outbox) = outbox::<B, PingPong>().await;
+    let probe = Probe::default();
+    let aggregate = Uuid::new_v4();
+    for seq in 1..=10 {
+        probe.fail("x", aggregate, seq, [Fail::Delay(ms(300))]);
+    }
+    publish(&outbox, aggregate, 1..11).await;
+    let config = config()
+        .with_lease(Duration::from_secs(1))
+        .with_handler_timeout(ms(400));
+    let slow = relay(&outbox, OnlyX::new(&probe), config.clone());
+    let started = tokio::time::Instant::now();
+    let batch = tokio::spawn(async move { slow.run_once().await });
+    // Once the slow relay is well into its batch (its first handler has run).
+    while probe.seen().is_empty() {
+        tokio::time::sleep(ms(10)).await;
+    }
+    let other = relay(&outbox, OnlyX::new(&probe), config);
+    let mut claims = 0;
+    while !batch.is_finished() {
+        claims += 1;
+        assert_eq!(
+            other.run_once().await.unwrap().claimed,
+            0,
+            "the other relay took work of a claim being renewed"
+        );
+        tokio::time::sleep(ms(50)).await;
+    }
+    let report = batch.await.unwrap().unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(3));
+    assert!(claims > 20, "the other relay claimed {claims} times");
+    assert_eq!(
+        (report.claimed, report.delivered, report.lost),
+        (10, 10, false)
+    );
+    let seqs: Vec<u32> = probe.calls_of("x").into_iter().map(|c| c.1).collect();
+    assert_eq!(seqs, (1..=10).collect::<Vec<_>>());
 }
 
 /// A handler learns when an event may have been handled before: after the claim of a relay
