@@ -109,6 +109,9 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
     assert_eq!(status["pending_deliveries"], 0, "{status}");
     assert_eq!(status["dead_letters"], 2, "{status}");
     assert_eq!(status["blocked_keys"], 1, "{status}");
+    // The parked Pong's aggregate and the dead event's.
+    assert_eq!(status["blocked_aggregates"], 2, "{status}");
+    assert_eq!(status["held_events"], 0, "{status}");
     let age = status["oldest_pending_age_seconds"].as_f64().unwrap();
     assert!(age > 0.0 && age < WAIT.as_secs_f64(), "{status}");
     assert_eq!(
@@ -117,6 +120,7 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
     );
     let table = ok(&db, &["status"]);
     assert!(table.contains("dead letters        2\n"), "{table}");
+    assert!(table.contains("blocked aggregates  2\n"), "{table}");
     assert!(
         table.contains("SUBSCRIBER  PENDING  DEAD  BLOCKED KEYS\n"),
         "{table}"

@@ -51,7 +51,8 @@ struct Cli {
 enum Command {
     /// Create or upgrade the outbox tables
     Migrate,
-    /// Pending events, the oldest one's age, dead letters, and blocked keys per subscriber
+    /// Pending events, the oldest one's age, dead letters, blocked aggregates and held events,
+    /// and blocked keys per subscriber
     Status,
     /// Dead letters: events that never decode, and deliveries that failed for good
     #[command(subcommand)]
@@ -332,6 +333,8 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             "pending_deliveries": status.pending_deliveries,
             "dead_letters": status.dead_letters,
             "blocked_keys": status.blocked_keys,
+            "blocked_aggregates": status.blocked_aggregates,
+            "held_events": status.held_events,
             "subscribers": subscribers,
         });
         return Ok(format!("{value}\n"));
@@ -352,6 +355,11 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             ],
             vec!["dead letters".into(), status.dead_letters.to_string()],
             vec!["blocked keys".into(), status.blocked_keys.to_string()],
+            vec![
+                "blocked aggregates".into(),
+                status.blocked_aggregates.to_string(),
+            ],
+            vec!["held events".into(), status.held_events.to_string()],
         ],
     );
     if !subscribers.is_empty() {
