@@ -406,6 +406,44 @@ struct State {
 }
 
 impl State {
+    /// Stores a committed event; returns its id.
+    fn insert(
+        &mut self,
+        aggregate_type: &str,
+        aggregate_id: Uuid,
+        event_type: &str,
+        payload: String,
+        occurred_at: OffsetDateTime,
+    ) -> i64 {
+        self.next_id += 1;
+        let id = self.next_id;
+        let stored = StoredEvent {
+            id,
+            aggregate_type: aggregate_type.to_owned(),
+            aggregate_id,
+            event_type: event_type.to_owned(),
+            payload,
+            occurred_at,
+        };
+        self.events.insert(
+            id,
+            EventRow {
+                event: MemoryEvent {
+                    stored,
+                    published: false,
+                    dead: false,
+                    parked: 0,
+                    last_error: None,
+                },
+                published_at: None,
+                next_retry_at: None,
+                claim: None,
+                expired_claims: 0,
+            },
+        );
+        id
+    }
+
     /// Ends the claims whose lease is over: their work is free again, and counts the expiry.
     fn expire(&mut self, now: OffsetDateTime) {
         let expired: BTreeSet<i64> = self
@@ -476,30 +514,12 @@ impl MemoryStore {
         let now = self.clock.now();
         let mut state = lock(&self.state);
         for record in publisher.records {
-            state.next_id += 1;
-            let id = state.next_id;
-            state.events.insert(
-                id,
-                EventRow {
-                    event: MemoryEvent {
-                        stored: StoredEvent {
-                            id,
-                            aggregate_type: record.aggregate_type.to_owned(),
-                            aggregate_id: record.aggregate_id,
-                            event_type: record.event_type.to_owned(),
-                            payload: record.payload,
-                            occurred_at: record.occurred_at.unwrap_or(now),
-                        },
-                        published: false,
-                        dead: false,
-                        parked: 0,
-                        last_error: None,
-                    },
-                    published_at: None,
-                    next_retry_at: None,
-                    claim: None,
-                    expired_claims: 0,
-                },
+            state.insert(
+                record.aggregate_type,
+                record.aggregate_id,
+                record.event_type,
+                record.payload,
+                record.occurred_at.unwrap_or(now),
             );
         }
         drop(state);
@@ -517,33 +537,13 @@ impl MemoryStore {
         payload: &str,
     ) -> i64 {
         let now = self.clock.now();
-        let mut state = lock(&self.state);
-        state.next_id += 1;
-        let id = state.next_id;
-        state.events.insert(
-            id,
-            EventRow {
-                event: MemoryEvent {
-                    stored: StoredEvent {
-                        id,
-                        aggregate_type: aggregate_type.to_owned(),
-                        aggregate_id,
-                        event_type: event_type.to_owned(),
-                        payload: payload.to_owned(),
-                        occurred_at: now,
-                    },
-                    published: false,
-                    dead: false,
-                    parked: 0,
-                    last_error: None,
-                },
-                published_at: None,
-                next_retry_at: None,
-                claim: None,
-                expired_claims: 0,
-            },
+        let id = lock(&self.state).insert(
+            aggregate_type,
+            aggregate_id,
+            event_type,
+            payload.to_owned(),
+            now,
         );
-        drop(state);
         self.wake.notify_one();
         id
     }

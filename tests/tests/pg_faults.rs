@@ -201,6 +201,69 @@ async fn check_every_event_delivered(outbox: &PgPool, subscribers: &PgPool) -> (
     (events.len(), log.len())
 }
 
+/// Waits until `audit` holds `events` rows and nothing is left to deliver; panics after
+/// `limit`.
+async fn wait_until_all_audited(
+    db: &TestDb,
+    outbox: &Outbox<Postgres, Bank>,
+    events: i64,
+    limit: Duration,
+) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
+        let status = outbox.status().await.unwrap();
+        if audited == events && status.is_settled() {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{audited} of {events} events audited after {limit:?}; {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Producers that each commit one deposit on a random account, then wait `gap`, until told to
+/// stop; `stop_producing` returns how many commits they made.
+fn start_producing(
+    outbox: &Outbox<Postgres, Bank>,
+    accounts: &[Uuid],
+    gap: Duration,
+) -> (Arc<AtomicBool>, Vec<tokio::task::JoinHandle<i64>>) {
+    let producing = Arc::new(AtomicBool::new(true));
+    let producers = (0..PRODUCERS)
+        .map(|_| {
+            let (outbox, accounts, producing) =
+                (outbox.clone(), accounts.to_vec(), producing.clone());
+            tokio::spawn(async move {
+                let mut committed = 0_i64;
+                while producing.load(Ordering::Relaxed) {
+                    let account = accounts[fastrand::usize(..accounts.len())];
+                    let mut tx = outbox.begin().await.unwrap();
+                    tx.publish(&Deposited { account, amount: 1 }).await.unwrap();
+                    tx.commit().await.unwrap();
+                    committed += 1;
+                    tokio::time::sleep(gap).await;
+                }
+                committed
+            })
+        })
+        .collect();
+    (producing, producers)
+}
+
+async fn stop_producing(
+    (producing, producers): (Arc<AtomicBool>, Vec<tokio::task::JoinHandle<i64>>),
+) -> i64 {
+    producing.store(false, Ordering::Relaxed);
+    let mut committed = 0;
+    for producer in producers {
+        committed += producer.await.unwrap();
+    }
+    committed
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_killed_at_random_moments_loses_nothing() {
     let db = TestDb::new().await;
@@ -210,25 +273,7 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
     let accounts: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
 
     // Producers commit until the kills are over.
-    let producing = Arc::new(AtomicBool::new(true));
-    let producers: Vec<_> = (0..PRODUCERS)
-        .map(|_| {
-            let (outbox, accounts, producing) =
-                (outbox.clone(), accounts.clone(), producing.clone());
-            tokio::spawn(async move {
-                let mut committed = 0_i64;
-                while producing.load(Ordering::Relaxed) {
-                    let account = accounts[fastrand::usize(..accounts.len())];
-                    let mut tx = outbox.begin().await.unwrap();
-                    tx.publish(&Deposited { account, amount: 1 }).await.unwrap();
-                    tx.commit().await.unwrap();
-                    committed += 1;
-                    tokio::time::sleep(Duration::from_millis(2)).await;
-                }
-                committed
-            })
-        })
-        .collect();
+    let producers = start_producing(&outbox, &accounts, Duration::from_millis(2));
 
     // The fault schedule: each relay runs for a random 50 to 500 ms, then dies.
     let url = db.url();
@@ -239,11 +284,7 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
         relay.kill();
         delivered_while_killing = count(&db.pool, "SELECT count(*) FROM audit").await;
     }
-    producing.store(false, Ordering::Relaxed);
-    let mut committed = 0;
-    for producer in producers {
-        committed += producer.await.unwrap();
-    }
+    let committed = stop_producing(producers).await;
     assert!(
         delivered_while_killing > 0,
         "the killed relays delivered nothing: the test would show nothing"
@@ -251,19 +292,7 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
 
     // A last relay finishes the work, once the dead relays' claims expire.
     let relay = RelayProcess::start(&url);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
-        let status = outbox.status().await.unwrap();
-        if audited == committed && status.is_settled() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{audited} of {committed} events audited after 60 s; {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_all_audited(&db, &outbox, committed, Duration::from_secs(60)).await;
     relay.kill();
 
     let (events, handled) = check_every_event_delivered(&db.pool, &db.pool).await;
@@ -285,27 +314,9 @@ async fn a_relay_killed_at_the_defaults_holds_its_aggregates_back_for_about_a_le
     outbox.migrate().await.unwrap();
     create_subscriber_tables(&db.pool).await;
     let accounts: Vec<Uuid> = (0..4 * AGGREGATES).map(|_| Uuid::new_v4()).collect();
-    let producing = Arc::new(AtomicBool::new(true));
-    let producers: Vec<_> = (0..PRODUCERS)
-        .map(|_| {
-            let (outbox, accounts, producing) =
-                (outbox.clone(), accounts.clone(), producing.clone());
-            tokio::spawn(async move {
-                let mut committed = 0_i64;
-                while producing.load(Ordering::Relaxed) {
-                    let account = accounts[fastrand::usize(..accounts.len())];
-                    let mut tx = outbox.begin().await.unwrap();
-                    tx.publish(&Deposited { account, amount: 1 }).await.unwrap();
-                    tx.commit().await.unwrap();
-                    committed += 1;
-                    // About 80 events a second in all: well within what a relay at the
-                    // defaults delivers with these handlers (their work runs one at a time).
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                }
-                committed
-            })
-        })
-        .collect();
+    // About 80 events a second in all: well within what a relay at the defaults delivers with
+    // these handlers (their work runs one at a time).
+    let producers = start_producing(&outbox, &accounts, Duration::from_millis(50));
 
     // A relay dies with SIGKILL once it holds a claim (its handlers take a millisecond each)
     // on aggregates that no earlier kill still holds back, so that waits do not compound; the
@@ -388,24 +399,8 @@ async fn a_relay_killed_at_the_defaults_holds_its_aggregates_back_for_about_a_le
         "only {} of {KILLS} kills held aggregates back",
         waits.len()
     );
-    producing.store(false, Ordering::Relaxed);
-    let mut committed = 0;
-    for producer in producers {
-        committed += producer.await.unwrap();
-    }
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
-    loop {
-        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
-        let status = outbox.status().await.unwrap();
-        if audited == committed && status.is_settled() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{audited} of {committed} events audited after 60 s; {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    let committed = stop_producing(producers).await;
+    wait_until_all_audited(&db, &outbox, committed, Duration::from_secs(60)).await;
     relay.kill();
     check_every_event_delivered(&db.pool, &db.pool).await;
     check_order(&db.pool).await;
@@ -598,19 +593,7 @@ async fn a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others() 
     signal(&frozen.0, "CONT");
     deposit_each(&outbox, &accounts, 5).await;
     let total = accounts.len() as i64 * 15;
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
-        let status = outbox.status().await.unwrap();
-        if audited == total && status.is_settled() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{audited} of {total} audited; {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_all_audited(&db, &outbox, total, Duration::from_secs(30)).await;
     stop.notify_one();
     worker.await.unwrap();
     drop(frozen);
@@ -700,19 +683,7 @@ async fn terminated_connections_cost_about_a_second() {
     producing.store(false, Ordering::Relaxed);
     let committed = producer.await.unwrap();
 
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
-    loop {
-        let audited = count(&db.pool, "SELECT count(*) FROM audit").await;
-        let status = outbox.status().await.unwrap();
-        if audited == committed && status.is_settled() {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "{audited} of {committed} audited 30 s after the chaos; {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_all_audited(&db, &outbox, committed, Duration::from_secs(30)).await;
     stop.notify_waiters();
     for worker in workers {
         worker.await.unwrap();

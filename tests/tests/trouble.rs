@@ -9,8 +9,8 @@ use std::time::Duration;
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use outbox_core::telemetry;
 use outbox_core::{
-    ClaimToken, Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, router,
-    subscriber,
+    ClaimToken, Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, Store,
+    router, subscriber,
 };
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
@@ -164,6 +164,30 @@ async fn others_flow<B: TestBackend, R: Router>(
     free
 }
 
+/// `relay` claims x's delivery of (`aggregate`, `seq`) and dies in its handler: its claim stays
+/// behind, as a crashed process's would. The event must be published already.
+async fn dies_in_handler<S: Store, R: Router>(
+    relay: Relay<S, R>,
+    probe: &Probe,
+    aggregate: Uuid,
+    seq: u32,
+) {
+    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        aggregate,
+        seq,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: never,
+        }],
+    );
+    let task = tokio::spawn(async move { relay.run_once().await });
+    entered.notified().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+}
+
 async fn a_stuck_aggregate_does_not_stop_the_others_behind_a_dead_event<B: TestBackend>() {
     let (_db, outbox) = outbox::<B, PingPong>().await;
     let probe = Probe::default();
@@ -233,27 +257,10 @@ async fn a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashe
     let (_db, outbox) = outbox::<B, PingPong>().await;
     let probe = Probe::default();
     let stuck = Uuid::new_v4();
-    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        stuck,
-        0,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: never,
-        }],
-    );
     publish(&outbox, stuck, 0..1).await;
     // The crashed relay: it claimed the event (its lease is long), then died in the handler.
-    let crashed = relay(
-        &outbox,
-        OnlyX::new(&probe),
-        config().with_lease(Duration::from_secs(120)),
-    );
-    let task = tokio::spawn(async move { crashed.run_once().await });
-    entered.notified().await;
-    task.abort();
-    assert!(task.await.unwrap_err().is_cancelled());
+    let long = config().with_lease(Duration::from_secs(120));
+    dies_in_handler(relay(&outbox, OnlyX::new(&probe), long), &probe, stuck, 0).await;
     let relay = relay(&outbox, OnlyX::new(&probe), config());
     others_flow(&outbox, relay, &probe, stuck, 1, Shows::BlockedAggregate).await;
 }
@@ -420,30 +427,14 @@ async fn aggregates_of_two_types_with_one_id_do_not_block_each_other<B: TestBack
         "only x's failed Ping waits: {status:?}"
     );
 
-    // Behind another relay's live claim (it froze in x's handler with a long lease).
+    // Behind another relay's live claim (it died in x's handler; its lease is long).
     let shared = Uuid::new_v4();
-    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        shared,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: never,
-        }],
-    );
     publish_ping(&outbox, shared, 1).await;
-    let frozen = Relay::new(
-        outbox.store(),
-        PingTock::new(&probe),
-        config().with_lease(Duration::from_secs(120)),
-    )
-    .unwrap();
-    let task = tokio::spawn(async move { frozen.run_once().await });
-    entered.notified().await;
+    let long = config().with_lease(Duration::from_secs(120));
+    let dead = Relay::new(outbox.store(), PingTock::new(&probe), long).unwrap();
+    dies_in_handler(dead, &probe, shared, 1).await;
     publish_tock(&outbox, shared, 2).await;
     run_until(&relay, BOUND, || handled(&probe, "Tock", shared) == [2]).await;
-    task.abort();
 }
 
 /// A batch whose handlers take three times its lease keeps its claim: the relay renews it as
@@ -494,16 +485,6 @@ async fn a_redelivery_after_an_expired_claim_says_so<B: TestBackend>() {
     let (_db, outbox) = outbox::<B, PingPong>().await;
     let probe = Probe::default();
     let aggregate = Uuid::new_v4();
-    let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        aggregate,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: never,
-        }],
-    );
     probe.fail("x", aggregate, 2, [Fail::Transient]);
     publish(&outbox, aggregate, 1..2).await;
     let short = config()
@@ -511,10 +492,7 @@ async fn a_redelivery_after_an_expired_claim_says_so<B: TestBackend>() {
         .with_handler_timeout(ms(400))
         .with_retry(RetryPolicy::new([ms(50)]).unwrap());
     let crashed = relay(&outbox, OnlyX::new(&probe), short.clone());
-    let task = tokio::spawn(async move { crashed.run_once().await });
-    entered.notified().await;
-    task.abort();
-    let _ = task.await;
+    dies_in_handler(crashed, &probe, aggregate, 1).await;
 
     let relay = relay(&outbox, OnlyX::new(&probe), short);
     run_until(&relay, Duration::from_secs(20), || {
@@ -678,13 +656,11 @@ async fn a_relay_paused_past_its_lease_cannot_overwrite_the_next_owner_after_a_p
 
 /// The same scenarios over the test kit's memory store, whose clock the test moves.
 mod memory {
-    use std::sync::Arc;
     use std::time::Duration;
 
     use outbox_core::testing::{MemoryStore, drain};
     use outbox_core::{Relay, RetryPolicy, Store};
     use outbox_tests::kit::{Fail, OnlyX, Ping, PingTock, Pong, Probe, Tock};
-    use tokio::sync::Notify;
     use uuid::Uuid;
 
     use super::{BEHIND, config, ms};
@@ -771,21 +747,9 @@ mod memory {
     #[tokio::test]
     async fn a_stuck_aggregate_does_not_stop_the_others_behind_the_claim_of_a_crashed_relay() {
         let (store, probe, stuck) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
-        let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-        probe.fail(
-            "x",
-            stuck,
-            0,
-            [Fail::Block {
-                entered: entered.clone(),
-                release: never,
-            }],
-        );
         publish(&store, stuck, 0..1);
         let crashed = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
-        let task = tokio::spawn(async move { crashed.run_once().await });
-        entered.notified().await;
-        task.abort();
+        super::dies_in_handler(crashed, &probe, stuck, 0).await;
         let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
         others_flow(&store, &relay, &probe, stuck).await;
         // Once the claim expires, the stuck aggregate flows, in order.
@@ -858,21 +822,9 @@ mod memory {
     #[tokio::test]
     async fn a_redelivery_after_an_expired_claim_says_so() {
         let (store, probe, aggregate) = (MemoryStore::new(), Probe::default(), Uuid::new_v4());
-        let (entered, never) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-        probe.fail(
-            "x",
-            aggregate,
-            1,
-            [Fail::Block {
-                entered: entered.clone(),
-                release: never,
-            }],
-        );
         publish(&store, aggregate, 1..2);
         let crashed = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
-        let task = tokio::spawn(async move { crashed.run_once().await });
-        entered.notified().await;
-        task.abort();
+        super::dies_in_handler(crashed, &probe, aggregate, 1).await;
         store.clock().advance(Duration::from_secs(11));
         let relay = Relay::new(store.clone(), OnlyX::new(&probe), config()).unwrap();
         drain(&relay).await.unwrap();
