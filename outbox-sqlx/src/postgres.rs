@@ -489,6 +489,8 @@ claimed_events AS (
         SELECT d.aggregate_type, d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
         FROM {deliveries} AS d
         WHERE d.aggregate_id = ANY(ARRAY(SELECT c.aggregate_id FROM claimable AS c))
+          -- No lookups at all when no delivery waits anywhere (the common case).
+          AND EXISTS (SELECT 1 FROM {deliveries} AS any_delivery)
         GROUP BY d.aggregate_type, d.aggregate_id
     ) AS b ON b.aggregate_id = c.aggregate_id AND b.aggregate_type = c.aggregate_type
 )
