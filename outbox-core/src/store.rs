@@ -11,8 +11,12 @@
 //!   its own attempt count, last error, next attempt time and dead-letter mark, and is deleted
 //!   once delivered.
 //!
-//! The relay claims a batch of both ([`Store::claim`]), runs the handlers outside any database
-//! transaction, and records what happened in one call ([`Store::record`]).
+//! The relay claims a batch of both ([`Store::claim`]) under a lease with a token
+//! ([`ClaimToken`]), runs the handlers outside any database transaction while renewing the lease
+//! ([`Store::renew`]), and records what happened in one call ([`Store::record`]), which counts
+//! only while the claim is still live. Events held back behind an earlier event of their
+//! aggregate (dead, parked, or claimed by a relay that may have died) are *held*: they wait
+//! without costing the claims of other aggregates' events anything.
 
 use std::future::Future;
 use std::time::Duration;

@@ -197,7 +197,9 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// writes in that transaction only when this returns true writes only as the live owner of
     /// its delivery, even if its relay stalls past the lease in the handler. On PostgreSQL the
     /// lock also sets the transaction's `idle_in_transaction_session_timeout` to 2 s, so that a
-    /// frozen process cannot hold the claim for long.
+    /// frozen process cannot hold the claim for long. On SQLite it takes the database's write
+    /// lock for the rest of the transaction (SQLite has no finer lock), so keep that transaction
+    /// short.
     ///
     /// ```no_run
     /// # use outbox_core::{Delivery, HandlerError};
