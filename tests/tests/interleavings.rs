@@ -445,7 +445,7 @@ impl Harness for Memory {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(1500))]
+    #![proptest_config(ProptestConfig::with_cases(3000))]
 
     #[test]
     fn per_key_order_holds_under_random_interleavings_on_the_memory_store(
