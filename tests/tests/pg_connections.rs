@@ -80,21 +80,29 @@ async fn audited(db: &TestDb) -> i64 {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_and_the_application_share_a_pool_of_one() {
-    const EVENTS: i64 = 50;
-    let db = TestDb::new().await;
+/// A running relay over an outbox on a pool of `max` connections named `name`, whose handler
+/// writes with that same pool: (the pool, the outbox, its stop signal, its task).
+async fn running(
+    db: &TestDb,
+    name: &str,
+    max: u32,
+) -> (
+    PgPool,
+    Outbox<Postgres, Accounts>,
+    Arc<Notify>,
+    tokio::task::JoinHandle<()>,
+) {
     sqlx::query("CREATE TABLE audit (event_id BIGINT PRIMARY KEY)")
         .execute(&db.pool)
         .await
         .unwrap();
-    let shared = pool(&db, "outbox_pool_of_one", 1).await;
-    let outbox: Outbox<Postgres, Accounts> = Outbox::new(shared.clone());
+    let pool = pool(db, name, max).await;
+    let outbox: Outbox<Postgres, Accounts> = Outbox::new(pool.clone());
     outbox.migrate().await.unwrap();
     let relay = outbox
         .relay(
             Accounts {
-                audit: Audit(shared.clone()),
+                audit: Audit(pool.clone()),
             },
             config(),
         )
@@ -104,6 +112,14 @@ async fn a_relay_and_the_application_share_a_pool_of_one() {
         let stop = stop.clone();
         async move { relay.run(stop.notified()).await }
     });
+    (pool, outbox, stop, worker)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_and_the_application_share_a_pool_of_one() {
+    const EVENTS: i64 = 50;
+    let db = TestDb::new().await;
+    let (shared, outbox, stop, worker) = running(&db, "outbox_pool_of_one", 1).await;
     // The application commits through the same single connection while the relay runs.
     for _ in 0..EVENTS {
         let mut tx = outbox.begin().await.unwrap();
@@ -137,27 +153,8 @@ async fn a_relay_and_the_application_share_a_pool_of_one() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn closing_the_outbox_ends_its_listener_promptly() {
     let db = TestDb::new().await;
-    sqlx::query("CREATE TABLE audit (event_id BIGINT PRIMARY KEY)")
-        .execute(&db.pool)
-        .await
-        .unwrap();
     let name = "outbox_closing";
-    let pool = pool(&db, name, 2).await;
-    let outbox: Outbox<Postgres, Accounts> = Outbox::new(pool.clone());
-    outbox.migrate().await.unwrap();
-    let relay = outbox
-        .relay(
-            Accounts {
-                audit: Audit(pool.clone()),
-            },
-            config(),
-        )
-        .unwrap();
-    let stop = Arc::new(Notify::new());
-    let worker = tokio::spawn({
-        let stop = stop.clone();
-        async move { relay.run(stop.notified()).await }
-    });
+    let (pool, outbox, stop, worker) = running(&db, name, 2).await;
     // An idle relay waits for wake-ups: its listener connects.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while listeners(&db, name).await == 0 {

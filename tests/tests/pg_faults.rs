@@ -17,9 +17,10 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use outbox_core::{
-    Delivery, Handle, HandlerError, OutboxEvent, RelayConfig, RetryPolicy, router, subscriber,
+    Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, RetryPolicy, router,
+    subscriber,
 };
-use outbox_sqlx::Outbox;
+use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::pg::TestDb;
 use outbox_tests::server::{PrivateServer, StopMode};
 use serde::{Deserialize, Serialize};
@@ -81,6 +82,32 @@ struct Bank {
     log: Log,
 }
 
+/// A relay over the outbox reached through `relay_pool`, whose handlers write with `handlers`.
+fn bank_relay(
+    relay_pool: PgPool,
+    handlers: &PgPool,
+    config: RelayConfig,
+) -> Relay<SqlStore<Postgres>, Bank> {
+    Outbox::<Postgres, Bank>::new(relay_pool)
+        .relay(
+            Bank {
+                audit: Audit(handlers.clone()),
+                log: Log(handlers.clone()),
+            },
+            config,
+        )
+        .unwrap()
+}
+
+/// A pool of four connections on the database at `url`.
+async fn pool_of_four(url: &str) -> PgPool {
+    PgPoolOptions::new()
+        .max_connections(4)
+        .connect(url)
+        .await
+        .unwrap()
+}
+
 /// The relay, when started by `a_relay_killed_at_random_moments_loses_nothing`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the relay process of a_relay_killed_at_random_moments_loses_nothing"]
@@ -88,12 +115,7 @@ async fn relay_process() {
     let Ok(url) = std::env::var("OUTBOX_FAULTS_DATABASE") else {
         return;
     };
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&url)
-        .await
-        .unwrap();
-    let outbox: Outbox<Postgres, Bank> = Outbox::new(pool.clone());
+    let pool = pool_of_four(&url).await;
     let config = if std::env::var("OUTBOX_FAULTS_DEFAULTS").is_ok() {
         RelayConfig::default()
     } else {
@@ -105,15 +127,7 @@ async fn relay_process() {
             .with_poll_interval(Duration::from_millis(20))
             .with_retry(RetryPolicy::new([Duration::from_millis(30); 5]).unwrap())
     };
-    let relay = outbox
-        .relay(
-            Bank {
-                audit: Audit(pool.clone()),
-                log: Log(pool),
-            },
-            config,
-        )
-        .unwrap();
+    let relay = bank_relay(pool.clone(), &pool, config);
     relay.run(std::future::pending()).await;
 }
 
@@ -437,21 +451,9 @@ async fn frozen_claimer_process() {
             std::thread::sleep(Duration::from_secs(1));
         }
     });
-    let pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&url)
-        .await
-        .unwrap();
-    let outbox: Outbox<Postgres, Bank> = Outbox::new(pool.clone());
-    let relay = outbox
-        .relay(
-            Bank {
-                audit: Audit(pool.clone()),
-                log: Log(pool),
-            },
-            RelayConfig::default().with_poll_interval(Duration::from_millis(20)),
-        )
-        .unwrap();
+    let pool = pool_of_four(&url).await;
+    let config = RelayConfig::default().with_poll_interval(Duration::from_millis(20));
+    let relay = bank_relay(pool.clone(), &pool, config);
     relay.run(std::future::pending()).await;
 }
 
@@ -555,20 +557,9 @@ async fn a_relay_frozen_while_holding_the_claim_lock_does_not_stop_the_others() 
     let frozen_at = tokio::time::Instant::now();
 
     // Another relay delivers all the same, within a few seconds.
-    let relay_pool = PgPoolOptions::new()
-        .max_connections(4)
-        .connect(&db.url())
-        .await
-        .unwrap();
-    let relay = Outbox::<Postgres, Bank>::new(relay_pool.clone())
-        .relay(
-            Bank {
-                audit: Audit(relay_pool.clone()),
-                log: Log(relay_pool),
-            },
-            RelayConfig::default().with_poll_interval(Duration::from_millis(20)),
-        )
-        .unwrap();
+    let relay_pool = pool_of_four(&db.url()).await;
+    let config = RelayConfig::default().with_poll_interval(Duration::from_millis(20));
+    let relay = bank_relay(relay_pool.clone(), &relay_pool, config);
     let stop = Arc::new(Notify::new());
     let worker = tokio::spawn({
         let stop = stop.clone();
@@ -630,17 +621,8 @@ async fn terminated_connections_cost_about_a_second() {
         )
         .await
         .unwrap();
-    let relay = Arc::new(
-        Outbox::<Postgres, Bank>::new(relay_pool)
-            .relay(
-                Bank {
-                    audit: Audit(db.pool.clone()),
-                    log: Log(db.pool.clone()),
-                },
-                RelayConfig::default().with_poll_interval(Duration::from_millis(100)),
-            )
-            .unwrap(),
-    );
+    let config = RelayConfig::default().with_poll_interval(Duration::from_millis(100));
+    let relay = Arc::new(bank_relay(relay_pool, &db.pool, config));
     let stop = Arc::new(Notify::new());
     let workers: Vec<_> = (0..4)
         .map(|_| {
@@ -820,21 +802,14 @@ async fn a_relay_rides_out_postgresql_restarts() {
     create_subscriber_tables(&db.pool).await;
 
     // The relay, in this process but on its own pool and outbox (its own wake-ups).
-    let relay = Outbox::<Postgres, Bank>::new(relay_pool.clone())
-        .relay(
-            Bank {
-                audit: Audit(db.pool.clone()),
-                log: Log(db.pool.clone()),
-            },
-            RelayConfig::default()
-                .with_batch_size(25)
-                .with_lease(Duration::from_secs(2))
-                .with_handler_timeout(Duration::from_millis(900))
-                .with_poll_interval(Duration::from_millis(200))
-                .with_max_error_backoff(Duration::from_secs(1))
-                .with_retry(RetryPolicy::new([Duration::from_millis(100); 10]).unwrap()),
-        )
-        .unwrap();
+    let config = RelayConfig::default()
+        .with_batch_size(25)
+        .with_lease(Duration::from_secs(2))
+        .with_handler_timeout(Duration::from_millis(900))
+        .with_poll_interval(Duration::from_millis(200))
+        .with_max_error_backoff(Duration::from_secs(1))
+        .with_retry(RetryPolicy::new([Duration::from_millis(100); 10]).unwrap());
+    let relay = bank_relay(relay_pool.clone(), &db.pool, config);
     let retries = StoreRetries::default();
     let stop = Arc::new(Notify::new());
     let relay_task = tokio::spawn({
