@@ -6,9 +6,12 @@
 //! cargo bench -p outbox-tests --bench outbox -- drain --events 1000000
 //! ```
 //!
-//! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `soak` (by hand, not in `all`).
+//! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
+//! `failures`, and by hand, not in `all`: `soak`.
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
-//! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10).
+//! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
+//! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`
+//! and the tuned `drain`; the defaults otherwise).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
 //! alternate in half-second slices on one database (producer, drain), or probe by probe
 //! (sustained), so that the machine's noise falls on both alike.
@@ -26,6 +29,9 @@ use outbox_core::{
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
 use serde::{Deserialize, Serialize};
+
+#[path = "outbox/work.rs"]
+mod work;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
 
@@ -73,6 +79,22 @@ struct Options {
     seconds: u64,
     window: u64,
     soak_minutes: u64,
+    batch: Option<u32>,
+    concurrency: Option<usize>,
+}
+
+impl Options {
+    /// The relay's settings for the scenarios that take `--batch` and `--concurrency`.
+    fn config(&self) -> RelayConfig {
+        let mut config = RelayConfig::default();
+        if let Some(batch) = self.batch {
+            config = config.with_batch_size(batch);
+        }
+        if let Some(concurrency) = self.concurrency {
+            config = config.with_concurrency(concurrency);
+        }
+        config
+    }
 }
 
 fn options() -> Options {
@@ -83,6 +105,8 @@ fn options() -> Options {
         seconds: 5,
         window: 60,
         soak_minutes: 10,
+        batch: None,
+        concurrency: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -98,14 +122,25 @@ fn options() -> Options {
             "--seconds" => options.seconds = number("--seconds"),
             "--window" => options.window = number("--window"),
             "--soak-minutes" => options.soak_minutes = number("--soak-minutes"),
+            "--batch" => options.batch = Some(number("--batch") as u32),
+            "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
             scenario if !scenario.starts_with('-') => options.scenarios.push(scenario.to_owned()),
             other => panic!("unknown option {other}"),
         }
     }
     if options.scenarios.is_empty() || options.scenarios.iter().any(|s| s == "all") {
-        options.scenarios = ["producer", "drain", "sustained", "latency", "naive"]
-            .map(str::to_owned)
-            .to_vec();
+        options.scenarios = [
+            "producer",
+            "drain",
+            "sustained",
+            "latency",
+            "naive",
+            "handlers",
+            "writes",
+            "failures",
+        ]
+        .map(str::to_owned)
+        .to_vec();
     }
     options
 }
@@ -889,6 +924,9 @@ async fn main() {
                     median(runs)
                 );
             }
+            "handlers" => work::waiting_handlers(options.runs, &options.config()).await,
+            "writes" => work::writing_handlers(options.runs, &options.config()).await,
+            "failures" => work::failing_handlers(options.runs, &options.config()).await,
             "soak" => {
                 let half = sustained_half(&options).await;
                 println!(

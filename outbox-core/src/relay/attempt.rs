@@ -1,11 +1,9 @@
 //! One handler call: its span, timeout, panic and metrics, and what a failure becomes. Also
 //! decoding, which runs user code (`Deserialize` impls, upcasters) and is guarded the same way.
 
+use futures_util::FutureExt;
 use std::any::Any;
 use std::panic::AssertUnwindSafe;
-use std::time::Duration;
-
-use futures_util::FutureExt;
 use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::{Empty, display};
@@ -139,19 +137,6 @@ impl<S: Store, R: Router> Relay<S, R> {
                 error: message,
             },
         }
-    }
-
-    /// Sets a delivery aside until a newer build runs, without counting an attempt.
-    pub(super) fn park_delivery(&self, attempts: u32, reason: String) -> DeliveryOutcome {
-        DeliveryOutcome::Retry {
-            attempts,
-            error: stored_text(reason),
-            retry_in: self.config.park_delay,
-        }
-    }
-
-    pub(super) fn park_delay(&self) -> Duration {
-        self.config.park_delay
     }
 }
 

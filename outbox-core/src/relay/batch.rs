@@ -1,322 +1,254 @@
-//! One batch: each claimed event goes to its subscribers in claim order; what must wait for an
-//! earlier event of its aggregate waits; handlers start only while the batch's claim is held.
+//! One batch, run: the plan's queues run concurrently, up to the relay's concurrency, each in
+//! order; a failure holds its key's later calls back; a handler starts only while the batch's
+//! claim outlasts the handler timeout. Then the outcomes are put together in claim order.
 
 use std::collections::HashSet;
+use std::sync::atomic::{AtomicBool, Ordering};
 
+use futures_util::{StreamExt, stream};
 use uuid::Uuid;
 
-use super::attempt::{Under, stored_text};
+use super::attempt::Under;
 use super::lease::Lease;
+use super::plan::{self, Plan, Planned, Routes, Slot, Step};
 use super::{BatchReport, Relay};
-use crate::routing::Router;
+use crate::error::DecodeError;
+use crate::routing::{Decoded, Router};
 use crate::store::{
     Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
 };
-use crate::telemetry::{self, status};
 
-/// The label of events the store could not read, in metrics.
-const UNREADABLE: &str = "(unreadable)";
+impl<S: Store, R: Router> Routes for Relay<S, R> {
+    type Decoded = Decoded;
 
-/// Keys held back within one batch.
-#[derive(Default)]
-struct BatchState {
-    /// (subscriber, aggregate type, aggregate id) keys that failed or waited in this batch: their
-    /// later events wait.
-    blocked: HashSet<(String, String, Uuid)>,
-    /// Aggregates with an event parked or dead in this batch: their later events are released.
-    stalled: HashSet<(String, Uuid)>,
-    /// An event whose aggregate could not be read died in this batch: every later event is
-    /// released, since any could be of its aggregate.
-    stall_all: bool,
-    /// The claim no longer lasts long enough to start a handler: the rest is released.
-    out_of_lease: bool,
-    /// Handler calls that succeeded.
-    delivered: usize,
+    fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
+        self.router.subscribers(event_type)
+    }
+
+    fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError> {
+        Relay::decode(self, event)
+    }
+
+    fn park_delay(&self) -> std::time::Duration {
+        self.config.park_delay
+    }
 }
 
-impl BatchState {
-    fn is_stalled(&self, event: &StoredEvent) -> bool {
-        self.stall_all
-            || (!self.stalled.is_empty()
-                && self
-                    .stalled
-                    .contains(&(event.aggregate_type.clone(), event.aggregate_id)))
-    }
+/// What became of one planned handler call.
+#[derive(Debug)]
+enum Ran {
+    Delivered,
+    Failed(DeliveryOutcome),
+    /// Not called: an earlier call of its key failed in this batch.
+    Behind,
+    /// Not called: the claim no longer outlasted the handler timeout.
+    NoLease,
+}
 
-    fn stall(&mut self, event: &StoredEvent) {
-        self.stalled
-            .insert((event.aggregate_type.clone(), event.aggregate_id));
-    }
-
-    fn is_blocked(&self, subscriber: &str, event: &StoredEvent) -> bool {
-        !self.blocked.is_empty()
-            && self.blocked.contains(&(
-                subscriber.to_owned(),
-                event.aggregate_type.clone(),
-                event.aggregate_id,
-            ))
-    }
-
-    fn block(&mut self, subscriber: &str, event: &StoredEvent) {
-        self.blocked.insert((
-            subscriber.to_owned(),
-            event.aggregate_type.clone(),
-            event.aggregate_id,
-        ));
+impl Ran {
+    fn called(&self) -> bool {
+        matches!(self, Ran::Delivered | Ran::Failed(_))
     }
 }
 
 impl<S: Store, R: Router> Relay<S, R> {
-    /// Hands claimed events and deliveries to their subscribers, in order, while `lease` lasts.
+    /// Hands claimed events and deliveries to their subscribers, in order per key, while `lease`
+    /// lasts.
     pub(super) async fn deliver_batch(
         &self,
         claims: Vec<Claim>,
         lease: &Lease,
     ) -> (BatchReport, Outcomes) {
+        let claimed = claims.len();
+        let plan = plan::plan(claims, self);
+        let out_of_lease = AtomicBool::new(false);
+        // The futures are made before they are streamed: a closure in the stream would make
+        // the relay's future lose `Send` (rust-lang/rust#102211).
+        let mut queues = Vec::with_capacity(plan.queues.len());
+        for queue in &plan.queues {
+            queues.push(self.run_queue(&plan, queue, lease, &out_of_lease));
+        }
+        let ran: Vec<Vec<(Step, Ran)>> = stream::iter(queues)
+            .buffer_unordered(self.config.concurrency)
+            .collect()
+            .await;
+        let (delivered, outcomes) = assemble(plan, ran);
         let mut report = BatchReport {
-            claimed: claims.len(),
+            claimed,
+            delivered,
             ..BatchReport::default()
         };
-        let mut state = BatchState::default();
-        let mut outcomes = Outcomes::default();
-        for claim in claims {
-            match claim {
-                Claim::Event { event, .. } if state.out_of_lease => {
-                    outcomes.events.push((event.id, EventOutcome::Released));
-                }
-                Claim::Delivery {
-                    event, subscriber, ..
-                } if state.out_of_lease => {
-                    outcomes
-                        .deliveries
-                        .push(record(&event, subscriber, DeliveryOutcome::Released));
-                }
-                Claim::Unreadable {
-                    id,
-                    subscriber,
-                    aggregate,
-                    reason,
-                } => {
-                    telemetry::dispatched(UNREADABLE, status::DEAD);
-                    let reason = stored_text(format!("the stored event cannot be read: {reason}"));
-                    tracing::error!(event_id = id, ?subscriber, %reason, "outbox dead letter");
-                    let Some(subscriber) = subscriber else {
-                        match aggregate {
-                            Some(key) => {
-                                state.stalled.insert(key);
-                            }
-                            None => state.stall_all = true,
-                        }
-                        outcomes.events.push((id, EventOutcome::Dead { reason }));
-                        continue;
-                    };
-                    // One subscriber's delivery: its later events of the aggregate wait.
-                    let (aggregate_type, aggregate_id) = aggregate.unwrap_or_default();
-                    state.blocked.insert((
-                        subscriber.clone(),
-                        aggregate_type.clone(),
-                        aggregate_id,
-                    ));
-                    outcomes.deliveries.push(DeliveryRecord {
-                        event_id: id,
-                        aggregate_type,
-                        aggregate_id,
-                        subscriber,
-                        outcome: DeliveryOutcome::Dead {
-                            attempts: 0,
-                            error: reason,
-                        },
-                    });
-                }
-                Claim::Event {
-                    event,
-                    blocked,
-                    expired,
-                    ..
-                } => {
-                    let under = Under {
-                        token: lease.token(),
-                        expired_claims: expired,
-                    };
-                    self.fan_out(&event, &blocked, under, lease, &mut state, &mut outcomes)
-                        .await;
-                }
-                Claim::Delivery {
-                    event,
-                    subscriber,
-                    attempts,
-                    expired,
-                } => {
-                    let under = Under {
-                        token: lease.token(),
-                        expired_claims: expired,
-                    };
-                    let outcome = self
-                        .redeliver(&event, &subscriber, attempts, under, lease, &mut state)
-                        .await;
-                    outcomes
-                        .deliveries
-                        .push(record(&event, subscriber, outcome));
-                }
-            }
-        }
-        report.delivered = state.delivered;
         tally(&outcomes, &mut report);
         (report, outcomes)
     }
 
-    /// Hands a pending event to each of its subscribers.
-    async fn fan_out(
+    /// Makes one key's calls in order until one fails; the rest are held back.
+    async fn run_queue(
         &self,
-        event: &StoredEvent,
-        blocked: &[String],
-        under: Under,
+        plan: &Plan<Decoded>,
+        queue: &[Step],
         lease: &Lease,
-        state: &mut BatchState,
-        outcomes: &mut Outcomes,
-    ) {
-        if state.is_stalled(event) {
-            outcomes.events.push((event.id, EventOutcome::Released));
-            return;
-        }
-        let Some(subscribers) = self.router.subscribers(&event.event_type) else {
-            state.stall(event);
-            telemetry::dispatched(&event.event_type, status::PARKED);
-            outcomes.events.push((
-                event.id,
-                EventOutcome::Parked {
-                    reason: stored_text(format!(
-                        "no subscriber in this build knows event type `{}`",
-                        event.event_type
-                    )),
-                    retry_in: self.park_delay(),
-                },
-            ));
-            return;
-        };
-        let decoded = match self.decode(event) {
-            Ok(decoded) => decoded,
-            Err(error) => {
-                state.stall(event);
-                let reason = stored_text(error.to_string());
-                let outcome = if error.may_decode_in_newer_build() {
-                    telemetry::dispatched(&event.event_type, status::PARKED);
-                    EventOutcome::Parked {
-                        reason,
-                        retry_in: self.park_delay(),
-                    }
-                } else {
-                    telemetry::dispatched(&event.event_type, status::DEAD);
-                    tracing::error!(
-                        event_id = event.id,
-                        event_type = %event.event_type,
-                        %reason,
-                        "outbox event can never be decoded: a dead letter"
-                    );
-                    EventOutcome::Dead { reason }
-                };
-                outcomes.events.push((event.id, outcome));
-                return;
-            }
-        };
-        // The records of this event, dropped again if no handler of it ran before the lease ran
-        // short (the event is then given back whole).
-        let first_record = outcomes.deliveries.len();
-        let mut ran = false;
-        for &subscriber in subscribers {
-            let held_back =
-                blocked.iter().any(|b| b == subscriber) || state.is_blocked(subscriber, event);
-            let outcome = if held_back || state.out_of_lease {
-                DeliveryOutcome::Waiting
-            } else if !lease.can_start(self.config.handler_timeout) {
-                state.out_of_lease = true;
-                if !ran {
-                    outcomes.deliveries.truncate(first_record);
-                    outcomes.events.push((event.id, EventOutcome::Released));
-                    return;
-                }
-                DeliveryOutcome::Waiting
+        out_of_lease: &AtomicBool,
+    ) -> Vec<(Step, Ran)> {
+        let mut ran = Vec::with_capacity(queue.len());
+        let mut failed = false;
+        for &step in queue {
+            let result = if failed {
+                Ran::Behind
+            } else if out_of_lease.load(Ordering::Relaxed)
+                || !lease.can_start(self.config.handler_timeout)
+            {
+                out_of_lease.store(true, Ordering::Relaxed);
+                Ran::NoLease
             } else {
-                ran = true;
-                match self.attempt(subscriber, event, &decoded, 1, under).await {
-                    Ok(()) => {
-                        state.delivered += 1;
-                        continue;
+                let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim]
+                {
+                    Planned::FanOut {
+                        event,
+                        decoded,
+                        expired,
+                        slots,
+                    } => (event, decoded, slots[step.slot].0, 1, *expired),
+                    Planned::Again {
+                        event,
+                        decoded,
+                        subscriber,
+                        attempts,
+                        expired,
+                    } => (
+                        event,
+                        decoded,
+                        subscriber.as_str(),
+                        attempts.saturating_add(1),
+                        *expired,
+                    ),
+                    Planned::Event { .. } | Planned::Delivery(_) => {
+                        unreachable!("the plan queues only handler calls")
                     }
-                    Err(outcome) => outcome,
+                };
+                let under = Under {
+                    token: lease.token(),
+                    expired_claims: expired,
+                };
+                match self
+                    .attempt(subscriber, event, decoded, attempt, under)
+                    .await
+                {
+                    Ok(()) => Ran::Delivered,
+                    Err(outcome) => {
+                        failed = true;
+                        Ran::Failed(outcome)
+                    }
                 }
             };
-            state.block(subscriber, event);
-            outcomes
-                .deliveries
-                .push(record(event, subscriber.to_owned(), outcome));
+            ran.push((step, result));
         }
-        outcomes.events.push((event.id, EventOutcome::Published));
+        ran
     }
+}
 
-    /// Attempts one pending delivery again.
-    async fn redeliver(
-        &self,
-        event: &StoredEvent,
-        subscriber: &str,
-        attempts: u32,
-        under: Under,
-        lease: &Lease,
-        state: &mut BatchState,
-    ) -> DeliveryOutcome {
-        if state.is_blocked(subscriber, event) {
-            return DeliveryOutcome::Released;
+/// Puts the outcomes of a run plan together, in claim order; returns the handler calls that
+/// succeeded, and the outcomes.
+///
+/// An event none of whose handlers was called because the lease ran short is given back whole,
+/// unless a later claim of its aggregate in the batch was kept (recorded other than released):
+/// then it is published with its deliveries waiting, so that its aggregate's order holds.
+fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
+    let mut results: Vec<Vec<Option<Ran>>> = plan
+        .claims
+        .iter()
+        .map(|claim| match claim {
+            Planned::FanOut { slots, .. } => slots.iter().map(|_| None).collect(),
+            Planned::Again { .. } => vec![None],
+            Planned::Event { .. } | Planned::Delivery(_) => Vec::new(),
+        })
+        .collect();
+    let mut delivered = 0;
+    for (step, result) in ran.into_iter().flatten() {
+        delivered += usize::from(matches!(result, Ran::Delivered));
+        results[step.claim][step.slot] = Some(result);
+    }
+    let release_whole = given_back_whole(&plan.claims, &results);
+    let mut outcomes = Outcomes::default();
+    for ((claim, results), release) in plan.claims.into_iter().zip(results).zip(release_whole) {
+        match claim {
+            Planned::Event { id, outcome, .. } => outcomes.events.push((id, outcome)),
+            Planned::Delivery(record) => outcomes.deliveries.push(record),
+            Planned::FanOut { event, .. } if release => {
+                outcomes.events.push((event.id, EventOutcome::Released));
+            }
+            Planned::FanOut { event, slots, .. } => {
+                for ((subscriber, slot), result) in slots.into_iter().zip(results) {
+                    let outcome = match (slot, result) {
+                        (Slot::Decided(outcome), _) => outcome,
+                        (Slot::Run, Some(Ran::Delivered)) => continue,
+                        (Slot::Run, Some(Ran::Failed(outcome))) => outcome,
+                        (Slot::Run, _) => DeliveryOutcome::Waiting,
+                    };
+                    outcomes
+                        .deliveries
+                        .push(record(&event, subscriber.to_owned(), outcome));
+                }
+                outcomes.events.push((event.id, EventOutcome::Published));
+            }
+            Planned::Again {
+                event, subscriber, ..
+            } => {
+                let outcome = match results.into_iter().next().flatten() {
+                    Some(Ran::Delivered) => DeliveryOutcome::Delivered,
+                    Some(Ran::Failed(outcome)) => outcome,
+                    _ => DeliveryOutcome::Released,
+                };
+                outcomes
+                    .deliveries
+                    .push(record(&event, subscriber, outcome));
+            }
         }
-        let routed = self
-            .router
-            .subscribers(&event.event_type)
-            .is_some_and(|subscribers| subscribers.contains(&subscriber));
-        let outcome = if !routed {
-            telemetry::dispatched(&event.event_type, status::PARKED);
-            self.park_delivery(
-                attempts,
-                format!(
-                    "subscriber `{subscriber}` does not take event type `{}` in this build",
-                    event.event_type
-                ),
-            )
-        } else {
-            match self.decode(event) {
-                Err(error) if error.may_decode_in_newer_build() => {
-                    telemetry::dispatched(&event.event_type, status::PARKED);
-                    self.park_delivery(attempts, error.to_string())
-                }
-                Err(error) => {
-                    telemetry::dispatched(&event.event_type, status::DEAD);
-                    DeliveryOutcome::Dead {
-                        attempts,
-                        error: stored_text(error.to_string()),
-                    }
-                }
-                Ok(_) if !lease.can_start(self.config.handler_timeout) => {
-                    state.out_of_lease = true;
-                    return DeliveryOutcome::Released;
-                }
-                Ok(decoded) => {
-                    let attempt = attempts.saturating_add(1);
-                    match self
-                        .attempt(subscriber, event, &decoded, attempt, under)
-                        .await
-                    {
-                        Ok(()) => {
-                            state.delivered += 1;
-                            DeliveryOutcome::Delivered
-                        }
-                        Err(outcome) => outcome,
-                    }
-                }
+    }
+    (delivered, outcomes)
+}
+
+/// Which fanned-out events are given back whole: none of their handlers was called, one for
+/// want of lease, and no later claim of their aggregate is kept.
+fn given_back_whole<D>(claims: &[Planned<D>], results: &[Vec<Option<Ran>>]) -> Vec<bool> {
+    let mut kept: HashSet<(&str, Uuid)> = HashSet::new();
+    let mut kept_all = false;
+    let mut release = vec![false; claims.len()];
+    for (index, claim) in claims.iter().enumerate().rev() {
+        let results = &results[index];
+        let (aggregate, is_kept) = match claim {
+            Planned::Event {
+                aggregate, outcome, ..
+            } => (
+                aggregate.as_ref().map(|(t, id)| (t.as_str(), *id)),
+                *outcome != EventOutcome::Released,
+            ),
+            Planned::Delivery(record) => (
+                Some((record.aggregate_type.as_str(), record.aggregate_id)),
+                record.outcome != DeliveryOutcome::Released,
+            ),
+            Planned::Again { event, .. } => (
+                Some((event.aggregate_type.as_str(), event.aggregate_id)),
+                results.iter().flatten().any(Ran::called),
+            ),
+            Planned::FanOut { event, .. } => {
+                let aggregate = (event.aggregate_type.as_str(), event.aggregate_id);
+                let called = results.iter().flatten().any(Ran::called);
+                let short = results.iter().flatten().any(|r| matches!(r, Ran::NoLease));
+                release[index] = !called && short && !kept_all && !kept.contains(&aggregate);
+                (Some(aggregate), !release[index])
             }
         };
-        if outcome != DeliveryOutcome::Delivered {
-            state.block(subscriber, event);
+        if is_kept {
+            match aggregate {
+                Some(aggregate) => {
+                    kept.insert(aggregate);
+                }
+                None => kept_all = true,
+            }
         }
-        outcome
     }
+    release
 }
 
 fn record(event: &StoredEvent, subscriber: String, outcome: DeliveryOutcome) -> DeliveryRecord {
@@ -346,5 +278,93 @@ fn tally(outcomes: &Outcomes, report: &mut BatchReport) {
             DeliveryOutcome::Dead { .. } => report.dead += 1,
             DeliveryOutcome::Released => report.released += 1,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use time::OffsetDateTime;
+
+    use super::*;
+
+    fn fan_out(id: i64, aggregate: u128, slots: &[&'static str]) -> Planned<()> {
+        Planned::FanOut {
+            event: StoredEvent {
+                id,
+                aggregate_type: "t".to_owned(),
+                aggregate_id: Uuid::from_u128(aggregate),
+                event_type: "e".to_owned(),
+                payload: "{}".to_owned(),
+                occurred_at: OffsetDateTime::UNIX_EPOCH,
+            },
+            decoded: (),
+            expired: 0,
+            slots: slots.iter().map(|s| (*s, Slot::Run)).collect(),
+        }
+    }
+
+    fn step(claim: usize, slot: usize, ran: Ran) -> (Step, Ran) {
+        (Step { claim, slot }, ran)
+    }
+
+    #[test]
+    fn an_event_short_of_lease_is_given_back_unless_a_later_one_of_its_aggregate_is_kept() {
+        // 0: aggregate 1, y only, short of lease; 1: aggregate 1, x delivered and y short;
+        // 2: aggregate 2, short of lease; 3: aggregate 2, x failed before the lease ran short.
+        let plan = Plan {
+            claims: vec![
+                fan_out(10, 1, &["y"]),
+                fan_out(11, 1, &["x", "y"]),
+                fan_out(12, 3, &["x"]),
+                fan_out(13, 2, &["x"]),
+            ],
+            queues: Vec::new(),
+        };
+        let ran = vec![vec![
+            step(0, 0, Ran::NoLease),
+            step(1, 0, Ran::Delivered),
+            step(1, 1, Ran::NoLease),
+            step(2, 0, Ran::NoLease),
+            step(
+                3,
+                0,
+                Ran::Failed(DeliveryOutcome::Dead {
+                    attempts: 1,
+                    error: "no".to_owned(),
+                }),
+            ),
+        ]];
+        let (delivered, outcomes) = assemble(plan, ran);
+        assert_eq!(delivered, 1);
+        assert_eq!(
+            outcomes.events,
+            [
+                // Given back whole, a later event of its aggregate would overtake it: kept.
+                (10, EventOutcome::Published),
+                (11, EventOutcome::Published),
+                (12, EventOutcome::Released),
+                (13, EventOutcome::Published),
+            ]
+        );
+        let deliveries: Vec<(i64, &str, &DeliveryOutcome)> = outcomes
+            .deliveries
+            .iter()
+            .map(|d| (d.event_id, d.subscriber.as_str(), &d.outcome))
+            .collect();
+        assert_eq!(
+            deliveries,
+            [
+                (10, "y", &DeliveryOutcome::Waiting),
+                (11, "y", &DeliveryOutcome::Waiting),
+                (
+                    13,
+                    "x",
+                    &DeliveryOutcome::Dead {
+                        attempts: 1,
+                        error: "no".to_owned()
+                    }
+                ),
+            ]
+        );
     }
 }

@@ -5,6 +5,9 @@ use std::time::Duration;
 use crate::error::ConfigError;
 use crate::retry::RetryPolicy;
 
+/// The default [concurrency](RelayConfig::with_concurrency).
+const DEFAULT_CONCURRENCY: usize = 32;
+
 /// How a relay runs. Every setting has a default; see each setter.
 ///
 /// ```
@@ -22,6 +25,7 @@ use crate::retry::RetryPolicy;
 pub struct RelayConfig {
     pub(super) poll_interval: Duration,
     pub(super) batch_size: u32,
+    pub(super) concurrency: usize,
     pub(super) lease: Duration,
     pub(super) handler_timeout: Duration,
     pub(super) park_delay: Duration,
@@ -36,6 +40,7 @@ impl Default for RelayConfig {
         Self {
             poll_interval: Duration::from_secs(2),
             batch_size: 50,
+            concurrency: DEFAULT_CONCURRENCY,
             lease: Duration::from_secs(8),
             handler_timeout: Duration::from_secs(3),
             park_delay: Duration::from_secs(300),
@@ -60,6 +65,19 @@ impl RelayConfig {
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;
+        self
+    }
+
+    /// How many handler calls of one batch run at once, at most (default 32, at most 10 000).
+    ///
+    /// Calls for different (subscriber, aggregate) keys run concurrently on the relay's task;
+    /// the calls of one key run one at a time, in commit order, whatever the setting. `1` calls
+    /// every handler in turn. Handlers that wait on I/O (a database, a service) gain the most; a
+    /// handler that blocks its thread gains nothing and holds the others up: run such work on
+    /// `tokio::task::spawn_blocking`.
+    #[must_use]
+    pub fn with_concurrency(mut self, concurrency: usize) -> Self {
+        self.concurrency = concurrency;
         self
     }
 
@@ -155,6 +173,11 @@ impl RelayConfig {
         self.batch_size
     }
 
+    /// The most handler calls run at once.
+    pub fn concurrency(&self) -> usize {
+        self.concurrency
+    }
+
     /// The lease.
     pub fn lease(&self) -> Duration {
         self.lease
@@ -177,6 +200,12 @@ impl RelayConfig {
             return invalid(
                 "batch size",
                 format!("{} is outside 1..=10000", self.batch_size),
+            );
+        }
+        if !(1..=10_000).contains(&self.concurrency) {
+            return invalid(
+                "concurrency",
+                format!("{} is outside 1..=10000", self.concurrency),
             );
         }
         for (setting, value) in [

@@ -4,13 +4,16 @@
 //! - `config.rs`: [`RelayConfig`] and [`Retention`], and their validation.
 //! - this file: the run loop, its chores (status, retention), claiming and recording.
 //! - `lease.rs`: the claim of the batch in progress, renewed while its handlers run.
-//! - `batch.rs`: one batch, event by event, in order per (subscriber, aggregate).
+//! - `plan.rs`: a batch's claims planned (a pure function): what needs no handler is decided,
+//!   the handler calls are queued per (subscriber, aggregate) key.
+//! - `batch.rs`: a plan run, its queues concurrently and each in order, and its outcomes.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
 
 mod attempt;
 mod batch;
 mod config;
 mod lease;
+mod plan;
 
 use std::future::Future;
 use std::pin::Pin;

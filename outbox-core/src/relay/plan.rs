@@ -1,0 +1,613 @@
+//! Batch planning: a pure function from a batch's claims to what is decided at once and which
+//! handler calls are left to make, in one queue per (subscriber, aggregate) key.
+//!
+//! A queue's calls run one at a time, in claim order (commit order); queues run concurrently.
+//! Everything that needs no handler is decided here: events behind a stalled aggregate are
+//! released, events of unknown types and undecodable events are parked or dead, deliveries behind
+//! a key held back by the store or by an earlier decision wait. What a handler's failure holds
+//! back is decided as the queue runs (`batch.rs`).
+
+use std::collections::{HashMap, HashSet};
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use super::attempt::stored_text;
+use crate::error::DecodeError;
+use crate::store::{Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, StoredEvent};
+use crate::telemetry::{self, status};
+
+/// The label of events the store could not read, in metrics.
+const UNREADABLE: &str = "(unreadable)";
+
+/// What planning needs of a relay: its routes, its (guarded) decoding and its park delay.
+pub(super) trait Routes {
+    /// A decoded event.
+    type Decoded;
+    /// The subscribers of `event_type`, in delivery order, or `None` if this build does not know it.
+    fn subscribers(&self, event_type: &str) -> Option<&[&'static str]>;
+    /// Decodes `event`.
+    fn decode(&self, event: &StoredEvent) -> Result<Self::Decoded, DecodeError>;
+    /// How long parked work waits.
+    fn park_delay(&self) -> Duration;
+}
+
+/// A batch's claims, planned.
+pub(super) struct Plan<D> {
+    /// One entry per claim, in claim order.
+    pub(super) claims: Vec<Planned<D>>,
+    /// The handler calls to make: one queue per (subscriber, aggregate) key, in the order of
+    /// each key's first claim. A queue runs in order; queues may run concurrently.
+    pub(super) queues: Vec<Vec<Step>>,
+}
+
+/// One claim, planned.
+pub(super) enum Planned<D> {
+    /// An event decided without a handler: released behind a stalled aggregate, parked, or dead.
+    Event {
+        /// The event's id.
+        id: i64,
+        /// Its aggregate, unless it could not be read.
+        aggregate: Option<(String, Uuid)>,
+        /// What became of it.
+        outcome: EventOutcome,
+    },
+    /// A delivery decided without a handler: released behind a held-back key, parked, or dead.
+    Delivery(DeliveryRecord),
+    /// An event handed to its subscribers: one slot per subscriber, in routing order.
+    FanOut {
+        event: StoredEvent,
+        decoded: D,
+        expired: u32,
+        slots: Vec<(&'static str, Slot)>,
+    },
+    /// A pending delivery attempted again: one step.
+    Again {
+        event: StoredEvent,
+        decoded: D,
+        subscriber: String,
+        /// Failed attempts so far.
+        attempts: u32,
+        expired: u32,
+    },
+}
+
+/// One subscriber's share of a fanned-out event.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) enum Slot {
+    /// Decided at planning (it waits behind its key).
+    Decided(DeliveryOutcome),
+    /// A handler call, in one of the plan's queues.
+    Run,
+}
+
+/// A handler call: the claim and, for a fan-out, the subscriber's slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Step {
+    pub(super) claim: usize,
+    pub(super) slot: usize,
+}
+
+/// A (subscriber, aggregate type, aggregate id) key.
+type Key = (String, String, Uuid);
+
+fn key(subscriber: &str, event: &StoredEvent) -> Key {
+    (
+        subscriber.to_owned(),
+        event.aggregate_type.clone(),
+        event.aggregate_id,
+    )
+}
+
+/// Keys and aggregates held back while planning, and the queue of each key.
+#[derive(Default)]
+struct Planner {
+    /// Keys whose later claims must wait: held back by the store or by a decision of this batch.
+    blocked: HashSet<Key>,
+    /// Aggregates with an event parked or dead in this batch: their later events are released.
+    stalled: HashSet<(String, Uuid)>,
+    /// An event whose aggregate could not be read died: every later event is released.
+    stall_all: bool,
+    queue_of: HashMap<Key, usize>,
+    queues: Vec<Vec<Step>>,
+}
+
+impl Planner {
+    fn is_stalled(&self, event: &StoredEvent) -> bool {
+        self.stall_all
+            || (!self.stalled.is_empty()
+                && self
+                    .stalled
+                    .contains(&(event.aggregate_type.clone(), event.aggregate_id)))
+    }
+
+    fn stall(&mut self, event: &StoredEvent) {
+        self.stalled
+            .insert((event.aggregate_type.clone(), event.aggregate_id));
+    }
+
+    fn enqueue(&mut self, key: Key, step: Step) {
+        let queues = &mut self.queues;
+        let index = *self.queue_of.entry(key).or_insert_with(|| {
+            queues.push(Vec::new());
+            queues.len() - 1
+        });
+        self.queues[index].push(step);
+    }
+}
+
+/// Plans a batch: decides what needs no handler and queues the handler calls per key.
+pub(super) fn plan<R: Routes>(claims: Vec<Claim>, routes: &R) -> Plan<R::Decoded> {
+    let mut planner = Planner::default();
+    let mut planned = Vec::with_capacity(claims.len());
+    for (index, claim) in claims.into_iter().enumerate() {
+        let entry = match claim {
+            Claim::Unreadable {
+                id,
+                subscriber,
+                aggregate,
+                reason,
+            } => {
+                telemetry::dispatched(UNREADABLE, status::DEAD);
+                let reason = stored_text(format!("the stored event cannot be read: {reason}"));
+                tracing::error!(event_id = id, ?subscriber, %reason, "outbox dead letter");
+                match subscriber {
+                    None => {
+                        match &aggregate {
+                            Some(key) => {
+                                planner.stalled.insert(key.clone());
+                            }
+                            None => planner.stall_all = true,
+                        }
+                        Planned::Event {
+                            id,
+                            aggregate,
+                            outcome: EventOutcome::Dead { reason },
+                        }
+                    }
+                    // One subscriber's delivery: its later events of the aggregate wait.
+                    Some(subscriber) => {
+                        let (aggregate_type, aggregate_id) = aggregate.unwrap_or_default();
+                        planner.blocked.insert((
+                            subscriber.clone(),
+                            aggregate_type.clone(),
+                            aggregate_id,
+                        ));
+                        Planned::Delivery(DeliveryRecord {
+                            event_id: id,
+                            aggregate_type,
+                            aggregate_id,
+                            subscriber,
+                            outcome: DeliveryOutcome::Dead {
+                                attempts: 0,
+                                error: reason,
+                            },
+                        })
+                    }
+                }
+            }
+            Claim::Event {
+                event,
+                blocked,
+                expired,
+                ..
+            } => plan_event(&mut planner, index, event, &blocked, expired, routes),
+            Claim::Delivery {
+                event,
+                subscriber,
+                attempts,
+                expired,
+            } => plan_again(
+                &mut planner,
+                index,
+                event,
+                subscriber,
+                attempts,
+                expired,
+                routes,
+            ),
+        };
+        planned.push(entry);
+    }
+    Plan {
+        claims: planned,
+        queues: planner.queues,
+    }
+}
+
+fn plan_event<R: Routes>(
+    planner: &mut Planner,
+    index: usize,
+    event: StoredEvent,
+    held_by_store: &[String],
+    expired: u32,
+    routes: &R,
+) -> Planned<R::Decoded> {
+    let decided = |event: &StoredEvent, outcome| Planned::Event {
+        id: event.id,
+        aggregate: Some((event.aggregate_type.clone(), event.aggregate_id)),
+        outcome,
+    };
+    if planner.is_stalled(&event) {
+        return decided(&event, EventOutcome::Released);
+    }
+    let Some(subscribers) = routes.subscribers(&event.event_type) else {
+        planner.stall(&event);
+        telemetry::dispatched(&event.event_type, status::PARKED);
+        let reason = stored_text(format!(
+            "no subscriber in this build knows event type `{}`",
+            event.event_type
+        ));
+        let retry_in = routes.park_delay();
+        return decided(&event, EventOutcome::Parked { reason, retry_in });
+    };
+    let decoded = match routes.decode(&event) {
+        Ok(decoded) => decoded,
+        Err(error) => {
+            planner.stall(&event);
+            let reason = stored_text(error.to_string());
+            let outcome = if error.may_decode_in_newer_build() {
+                telemetry::dispatched(&event.event_type, status::PARKED);
+                EventOutcome::Parked {
+                    reason,
+                    retry_in: routes.park_delay(),
+                }
+            } else {
+                telemetry::dispatched(&event.event_type, status::DEAD);
+                tracing::error!(
+                    event_id = event.id,
+                    event_type = %event.event_type,
+                    %reason,
+                    "outbox event can never be decoded: a dead letter"
+                );
+                EventOutcome::Dead { reason }
+            };
+            return decided(&event, outcome);
+        }
+    };
+    let mut slots = Vec::with_capacity(subscribers.len());
+    for &subscriber in subscribers {
+        let key = key(subscriber, &event);
+        let slot =
+            if held_by_store.iter().any(|s| s == subscriber) || planner.blocked.contains(&key) {
+                planner.blocked.insert(key);
+                Slot::Decided(DeliveryOutcome::Waiting)
+            } else {
+                planner.enqueue(
+                    key,
+                    Step {
+                        claim: index,
+                        slot: slots.len(),
+                    },
+                );
+                Slot::Run
+            };
+        slots.push((subscriber, slot));
+    }
+    Planned::FanOut {
+        event,
+        decoded,
+        expired,
+        slots,
+    }
+}
+
+fn plan_again<R: Routes>(
+    planner: &mut Planner,
+    index: usize,
+    event: StoredEvent,
+    subscriber: String,
+    attempts: u32,
+    expired: u32,
+    routes: &R,
+) -> Planned<R::Decoded> {
+    let key = key(&subscriber, &event);
+    let decided = |event: &StoredEvent, subscriber, outcome| {
+        Planned::Delivery(DeliveryRecord {
+            event_id: event.id,
+            aggregate_type: event.aggregate_type.clone(),
+            aggregate_id: event.aggregate_id,
+            subscriber,
+            outcome,
+        })
+    };
+    if planner.blocked.contains(&key) {
+        return decided(&event, subscriber, DeliveryOutcome::Released);
+    }
+    let routed = routes
+        .subscribers(&event.event_type)
+        .is_some_and(|subscribers| subscribers.contains(&subscriber.as_str()));
+    let park = |reason: String| DeliveryOutcome::Retry {
+        attempts,
+        error: stored_text(reason),
+        retry_in: routes.park_delay(),
+    };
+    let outcome = if routed {
+        match routes.decode(&event) {
+            Ok(decoded) => {
+                planner.enqueue(
+                    key,
+                    Step {
+                        claim: index,
+                        slot: 0,
+                    },
+                );
+                return Planned::Again {
+                    event,
+                    decoded,
+                    subscriber,
+                    attempts,
+                    expired,
+                };
+            }
+            Err(error) if error.may_decode_in_newer_build() => {
+                telemetry::dispatched(&event.event_type, status::PARKED);
+                park(error.to_string())
+            }
+            Err(error) => {
+                telemetry::dispatched(&event.event_type, status::DEAD);
+                DeliveryOutcome::Dead {
+                    attempts,
+                    error: stored_text(error.to_string()),
+                }
+            }
+        }
+    } else {
+        telemetry::dispatched(&event.event_type, status::PARKED);
+        park(format!(
+            "subscriber `{subscriber}` does not take event type `{}` in this build",
+            event.event_type
+        ))
+    };
+    planner.blocked.insert(key);
+    decided(&event, subscriber, outcome)
+}
+
+#[cfg(test)]
+mod tests {
+    use time::OffsetDateTime;
+
+    use super::*;
+
+    /// Event types `a` (subscribers x, y) and `b` (x); payload "bad" is undecodable for good,
+    /// "new" is of a newer version.
+    struct Fake;
+
+    impl Routes for Fake {
+        type Decoded = ();
+
+        fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
+            match event_type {
+                "a" => Some(&["x", "y"]),
+                "b" => Some(&["x"]),
+                _ => None,
+            }
+        }
+
+        fn decode(&self, event: &StoredEvent) -> Result<(), DecodeError> {
+            match event.payload.as_str() {
+                "bad" => Err(DecodeError::Panicked {
+                    event_type: event.event_type.clone(),
+                    message: "a bug".to_owned(),
+                }),
+                "new" => Err(DecodeError::NewerVersion {
+                    event_type: "a",
+                    found: 9,
+                    current: 1,
+                }),
+                _ => Ok(()),
+            }
+        }
+
+        fn park_delay(&self) -> Duration {
+            Duration::from_secs(300)
+        }
+    }
+
+    fn aggregate(n: u128) -> Uuid {
+        Uuid::from_u128(n)
+    }
+
+    fn stored(id: i64, event_type: &str, agg: u128, payload: &str) -> StoredEvent {
+        StoredEvent {
+            id,
+            aggregate_type: "t".to_owned(),
+            aggregate_id: aggregate(agg),
+            event_type: event_type.to_owned(),
+            payload: payload.to_owned(),
+            occurred_at: OffsetDateTime::UNIX_EPOCH,
+        }
+    }
+
+    fn event(id: i64, event_type: &str, agg: u128) -> Claim {
+        event_with(stored(id, event_type, agg, "{}"), &[])
+    }
+
+    fn event_with(event: StoredEvent, blocked: &[&str]) -> Claim {
+        Claim::Event {
+            event,
+            parked: 0,
+            expired: 0,
+            blocked: blocked.iter().map(|s| (*s).to_owned()).collect(),
+        }
+    }
+
+    fn again(id: i64, subscriber: &str, agg: u128) -> Claim {
+        Claim::Delivery {
+            event: stored(id, "a", agg, "{}"),
+            subscriber: subscriber.to_owned(),
+            attempts: 1,
+            expired: 0,
+        }
+    }
+
+    /// The plan's queues as (event id, subscriber) pairs.
+    fn queues(plan: &Plan<()>) -> Vec<Vec<(i64, &str)>> {
+        plan.queues
+            .iter()
+            .map(|queue| {
+                queue
+                    .iter()
+                    .map(|step| match &plan.claims[step.claim] {
+                        Planned::FanOut { event, slots, .. } => (event.id, slots[step.slot].0),
+                        Planned::Again {
+                            event, subscriber, ..
+                        } => (event.id, subscriber.as_str()),
+                        _ => panic!("a decided claim in a queue"),
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    fn event_outcome(plan: &Plan<()>, claim: usize) -> &EventOutcome {
+        match &plan.claims[claim] {
+            Planned::Event { outcome, .. } => outcome,
+            _ => panic!("claim {claim} is not a decided event"),
+        }
+    }
+
+    fn delivery_outcome(plan: &Plan<()>, claim: usize) -> &DeliveryOutcome {
+        match &plan.claims[claim] {
+            Planned::Delivery(record) => &record.outcome,
+            _ => panic!("claim {claim} is not a decided delivery"),
+        }
+    }
+
+    #[test]
+    fn one_queue_per_subscriber_and_aggregate_in_claim_order() {
+        let plan = plan(
+            vec![
+                event(1, "a", 1),
+                event(2, "a", 2),
+                event(3, "b", 1),
+                event(4, "a", 1),
+            ],
+            &Fake,
+        );
+        assert_eq!(
+            queues(&plan),
+            vec![
+                vec![(1, "x"), (3, "x"), (4, "x")],
+                vec![(1, "y"), (4, "y")],
+                vec![(2, "x")],
+                vec![(2, "y")],
+            ]
+        );
+    }
+
+    #[test]
+    fn a_retry_runs_before_the_later_events_of_its_key() {
+        let plan = plan(vec![again(1, "y", 1), event(2, "a", 1)], &Fake);
+        assert_eq!(
+            queues(&plan),
+            vec![vec![(1, "y"), (2, "y")], vec![(2, "x")]]
+        );
+    }
+
+    #[test]
+    fn a_key_the_store_holds_back_waits_and_its_later_events_too() {
+        let plan = plan(
+            vec![
+                event_with(stored(1, "a", 1, "{}"), &["y"]),
+                event(2, "a", 1),
+                again(3, "y", 1),
+            ],
+            &Fake,
+        );
+        assert_eq!(queues(&plan), vec![vec![(1, "x"), (2, "x")]]);
+        for claim in [0, 1] {
+            let Planned::FanOut { slots, .. } = &plan.claims[claim] else {
+                panic!("not a fan-out");
+            };
+            assert_eq!(
+                slots,
+                &[
+                    ("x", Slot::Run),
+                    ("y", Slot::Decided(DeliveryOutcome::Waiting))
+                ]
+            );
+        }
+        assert_eq!(delivery_outcome(&plan, 2), &DeliveryOutcome::Released);
+    }
+
+    #[test]
+    fn an_event_that_cannot_be_decoded_stalls_its_aggregate_only() {
+        let plan = plan(
+            vec![
+                event_with(stored(1, "a", 1, "bad"), &[]),
+                event(2, "a", 1),
+                event(3, "a", 2),
+                event_with(stored(4, "a", 3, "new"), &[]),
+                event(5, "zzz", 4),
+                event(6, "b", 4),
+                event(7, "b", 3),
+            ],
+            &Fake,
+        );
+        assert!(matches!(event_outcome(&plan, 0), EventOutcome::Dead { .. }));
+        assert_eq!(event_outcome(&plan, 1), &EventOutcome::Released);
+        assert!(matches!(
+            event_outcome(&plan, 3),
+            EventOutcome::Parked { retry_in, .. } if *retry_in == Duration::from_secs(300)
+        ));
+        let EventOutcome::Parked { reason, .. } = event_outcome(&plan, 4) else {
+            panic!("an unknown type is parked");
+        };
+        assert_eq!(reason, "no subscriber in this build knows event type `zzz`");
+        assert_eq!(event_outcome(&plan, 5), &EventOutcome::Released);
+        assert_eq!(event_outcome(&plan, 6), &EventOutcome::Released);
+        assert_eq!(queues(&plan), vec![vec![(3, "x")], vec![(3, "y")]]);
+    }
+
+    #[test]
+    fn an_unreadable_event_of_no_known_aggregate_releases_every_later_event() {
+        let plan = plan(
+            vec![
+                event(1, "a", 1),
+                Claim::Unreadable {
+                    id: 2,
+                    subscriber: None,
+                    aggregate: None,
+                    reason: "bad timestamp".to_owned(),
+                },
+                event(3, "a", 2),
+            ],
+            &Fake,
+        );
+        let EventOutcome::Dead { reason } = event_outcome(&plan, 1) else {
+            panic!("an unreadable event is dead");
+        };
+        assert_eq!(reason, "the stored event cannot be read: bad timestamp");
+        assert_eq!(event_outcome(&plan, 2), &EventOutcome::Released);
+        assert_eq!(queues(&plan).len(), 2);
+    }
+
+    #[test]
+    fn a_delivery_its_build_cannot_route_is_parked_and_holds_its_key_back() {
+        let plan = plan(
+            vec![
+                Claim::Delivery {
+                    event: stored(1, "b", 1, "{}"),
+                    subscriber: "y".to_owned(),
+                    attempts: 2,
+                    expired: 0,
+                },
+                event(2, "a", 1),
+            ],
+            &Fake,
+        );
+        let DeliveryOutcome::Retry {
+            attempts, error, ..
+        } = delivery_outcome(&plan, 0)
+        else {
+            panic!("parked as a retry");
+        };
+        assert_eq!(*attempts, 2, "parking spends no attempt");
+        assert_eq!(
+            error,
+            "subscriber `y` does not take event type `b` in this build"
+        );
+        assert_eq!(queues(&plan), vec![vec![(2, "x")]]);
+    }
+}

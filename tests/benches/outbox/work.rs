@@ -1,0 +1,275 @@
+//! Scenarios with handlers that do work: (f) handlers that wait 2 ms, at several concurrencies;
+//! (g) handlers that insert a row, against a raw loop doing the same inserts; failures: a share
+//! of transient handler failures, against the failure-free drain of the same run.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use outbox_core::{
+    Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, router, subscriber,
+};
+use sqlx::PgPool;
+
+use super::{Deposited, median, prefill, setup};
+
+/// What each handler does: fail with a given chance, wait, insert an audit row.
+#[derive(Clone, Default)]
+struct Work {
+    done: Arc<AtomicU64>,
+    wait: Duration,
+    /// Chance of a transient failure, in per mille.
+    fail_per_mille: u32,
+    audit: Option<PgPool>,
+}
+
+impl Work {
+    async fn run(&self, event: &Deposited, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+        if self.fail_per_mille > 0 && fastrand::u32(0..1000) < self.fail_per_mille {
+            return Err(HandlerError::transient("injected failure"));
+        }
+        if !self.wait.is_zero() {
+            tokio::time::sleep(self.wait).await;
+        }
+        if let Some(pool) = &self.audit {
+            insert_audit(pool, delivery.event().id, event.seq)
+                .await
+                .map_err(HandlerError::transient)?;
+        }
+        self.done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+async fn insert_audit(pool: &PgPool, event_id: i64, seq: u64) -> Result<(), sqlx::Error> {
+    sqlx::query("INSERT INTO audit (event_id, seq) VALUES ($1, $2)")
+        .bind(event_id)
+        .bind(i64::try_from(seq).unwrap())
+        .execute(pool)
+        .await
+        .map(|_| ())
+}
+
+macro_rules! workers {
+    ($($name:ident = $label:literal),*) => {$(
+        #[subscriber(events = [Deposited], name = $label)]
+        struct $name(Work);
+
+        impl Handle<Deposited> for $name {
+            async fn handle(&self, event: &Deposited, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+                self.0.run(event, delivery).await
+            }
+        }
+    )*};
+}
+
+workers!(Audit = "audit", Notify = "notify", License = "license");
+
+#[router(events = [Deposited])]
+struct Three {
+    audit: Audit,
+    notify: Notify,
+    license: License,
+}
+
+#[router(events = [Deposited])]
+struct One {
+    audit: Audit,
+}
+
+fn three(work: &Work) -> Three {
+    Three {
+        audit: Audit(work.clone()),
+        notify: Notify(work.clone()),
+        license: License(work.clone()),
+    }
+}
+
+/// Drains `events` prefilled events over `accounts` aggregates with `router`; returns events/s.
+async fn drain_with<R: Router>(
+    events: u64,
+    accounts: usize,
+    subscribers: u64,
+    config: RelayConfig,
+    router: impl FnOnce(&Work) -> R,
+    mut work: Work,
+    audit_table: bool,
+) -> f64 {
+    let (_db, outbox, _) = setup(accounts).await;
+    let pool = outbox.pool().clone();
+    prefill(&pool, events).await;
+    if audit_table {
+        create_audit(&pool).await;
+        work.audit = Some(pool.clone());
+    }
+    let done = work.done.clone();
+    let relay = Relay::new(outbox.store(), router(&work), config).unwrap();
+    let target = events * subscribers;
+    let start = Instant::now();
+    relay
+        .run(async {
+            while done.load(Ordering::Relaxed) < target {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+    let elapsed = start.elapsed();
+    assert_eq!(
+        done.load(Ordering::Relaxed),
+        target,
+        "every delivery made once"
+    );
+    events as f64 / elapsed.as_secs_f64()
+}
+
+async fn create_audit(pool: &PgPool) {
+    sqlx::query("CREATE TABLE audit (event_id BIGINT NOT NULL, seq BIGINT NOT NULL)")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// (f): three subscribers whose handlers await a 2 ms timer, 20 000 events over 1 000
+/// aggregates, at concurrency 1, 8, 32 and 128, each next to the ideal
+/// min(concurrency / 2 ms / 3, the no-op drain of the same settings).
+pub(crate) async fn waiting_handlers(runs: usize, config: &RelayConfig) {
+    const EVENTS: u64 = 20_000;
+    const WAIT: Duration = Duration::from_millis(2);
+    let mut noop = Vec::new();
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); 4];
+    let concurrencies = [1, 8, 32, 128];
+    for _ in 0..runs {
+        let noop_config = config.clone().with_concurrency(128);
+        noop.push(drain_with(EVENTS, 1000, 3, noop_config, three, Work::default(), false).await);
+        for (i, &concurrency) in concurrencies.iter().enumerate() {
+            // At concurrency 1, a tenth of the events: the ideal is 167 events/s.
+            let events = if concurrency == 1 {
+                EVENTS / 10
+            } else {
+                EVENTS
+            };
+            let work = Work {
+                wait: WAIT,
+                ..Work::default()
+            };
+            let config = config.clone().with_concurrency(concurrency);
+            rates[i].push(drain_with(events, 1000, 3, config, three, work, false).await);
+        }
+    }
+    let noop = median(noop);
+    println!(
+        "(f) 2 ms handlers x 3 subscribers, 20000 events / 1000 aggregates (no-op drain {noop:.0} events/s)"
+    );
+    for (i, concurrency) in concurrencies.into_iter().enumerate() {
+        let ideal = (concurrency as f64 / WAIT.as_secs_f64() / 3.0).min(noop);
+        let ours = median(rates[i].clone());
+        println!(
+            "    concurrency {concurrency:>3}   ours {ours:>8.0} events/s   ideal {ideal:>8.0}   ratio {:.2}   (runs {:?})",
+            ours / ideal,
+            rates[i].iter().map(|v| v.round()).collect::<Vec<_>>()
+        );
+    }
+}
+
+/// (g): one subscriber whose handler inserts an audit row on its own pool, against a raw loop
+/// that claims the same events with `SKIP LOCKED` and makes the same inserts at the same
+/// concurrency.
+pub(crate) async fn writing_handlers(runs: usize, config: &RelayConfig) {
+    const EVENTS: u64 = 20_000;
+    let concurrency = config.concurrency();
+    let (mut ours, mut raw) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        ours.push(
+            drain_with(
+                EVENTS,
+                1000,
+                1,
+                config.clone(),
+                |work| One {
+                    audit: Audit(work.clone()),
+                },
+                Work::default(),
+                true,
+            )
+            .await,
+        );
+        raw.push(raw_writes(EVENTS, concurrency).await);
+    }
+    super::report(
+        &format!("(g) audit insert per event, concurrency {concurrency}"),
+        "events/s",
+        &ours,
+        &raw,
+    );
+}
+
+/// The raw loop of (g): claim 500 with `SKIP LOCKED`, insert their audit rows `concurrency` at a
+/// time on another pool, mark them published, commit.
+async fn raw_writes(events: u64, concurrency: usize) -> f64 {
+    let (_db, outbox, _) = setup(1000).await;
+    let pool = outbox.pool().clone();
+    prefill(&pool, events).await;
+    create_audit(&pool).await;
+    let start = Instant::now();
+    let mut done = 0;
+    while done < events {
+        let mut tx = pool.begin().await.unwrap();
+        let rows: Vec<(i64, String)> = sqlx::query_as(
+            "SELECT id, payload::text FROM events.outbox
+             WHERE published_at IS NULL ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        let pool = &pool;
+        futures_util::stream::iter(&rows)
+            .for_each_concurrent(concurrency, |(id, payload)| async move {
+                let event: serde_json::Value = serde_json::from_str(payload).unwrap();
+                let seq = event["data"]["seq"].as_u64().unwrap();
+                insert_audit(pool, *id, seq).await.unwrap();
+            })
+            .await;
+        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+        sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        done += rows.len() as u64;
+    }
+    events as f64 / start.elapsed().as_secs_f64()
+}
+
+/// Drains with 1% and 10% transient failures (retried after 10 ms), 20 000 events over 100
+/// aggregates and three subscribers, against the failure-free drain of the same run.
+pub(crate) async fn failing_handlers(runs: usize, config: &RelayConfig) {
+    const EVENTS: u64 = 20_000;
+    let retry = RetryPolicy::new([Duration::from_millis(10); 100]).unwrap();
+    let config = config.clone().with_retry(retry);
+    let shares = [0, 10, 100];
+    let mut rates: Vec<Vec<f64>> = vec![Vec::new(); shares.len()];
+    for _ in 0..runs {
+        for (i, &fail_per_mille) in shares.iter().enumerate() {
+            let work = Work {
+                fail_per_mille,
+                ..Work::default()
+            };
+            rates[i].push(drain_with(EVENTS, 100, 3, config.clone(), three, work, false).await);
+        }
+    }
+    let clean = median(rates[0].clone());
+    println!(
+        "(2b) transient failures, retry after 10 ms, 20000 events / 100 aggregates x 3 subscribers"
+    );
+    for (i, fail_per_mille) in shares.into_iter().enumerate() {
+        let rate = median(rates[i].clone());
+        println!(
+            "    {:>4.1}% failures   {rate:>8.0} events/s   ratio to no failures {:.2}   (runs {:?})",
+            f64::from(fail_per_mille) / 10.0,
+            rate / clean,
+            rates[i].iter().map(|v| v.round()).collect::<Vec<_>>()
+        );
+    }
+}
