@@ -643,23 +643,23 @@ impl Store for MemoryStore {
             }
         }
 
-        let due: Vec<(i64, String)> = state
-            .deliveries
-            .iter()
-            .filter(|(key, row)| {
-                !row.delivery.dead
-                    && row.delivery.next_attempt_at <= now
-                    && row.claim.is_none()
-                    && !state.deliveries.iter().any(|(other, o)| {
-                        other.1 == key.1
-                            && o.aggregate_id == row.aggregate_id
-                            && o.aggregate_type == row.aggregate_type
-                            && other.0 < key.0
-                    })
-            })
-            .take(limit)
-            .map(|(key, _)| key.clone())
-            .collect();
+        // Per (subscriber, aggregate), the ready rows from its first one on, in order: a due
+        // head and the rows right behind it that are not dead, claimed or waiting for a retry.
+        let mut closed: BTreeSet<(&str, &str, Uuid)> = BTreeSet::new();
+        let mut due: Vec<(i64, String)> = Vec::new();
+        for (key, row) in &state.deliveries {
+            let of = (key.1.as_str(), row.aggregate_type.as_str(), row.aggregate_id);
+            if closed.contains(&of) {
+                continue;
+            }
+            let ready =
+                !row.delivery.dead && row.delivery.next_attempt_at <= now && row.claim.is_none();
+            if ready && due.len() < limit {
+                due.push(key.clone());
+            } else {
+                closed.insert(of);
+            }
+        }
         for key in due {
             let Some(event) = state.events.get(&key.0).map(|e| e.event.stored.clone()) else {
                 continue;

@@ -98,6 +98,7 @@ impl TableNames {
     pub(crate) fn render(&self, template: &str, table: impl Fn(&str) -> String) -> String {
         let mut text = template
             .replace("{outbox}", &table(""))
+            .replace("{deliveries_rebuilt}", &table("_deliveries_rebuilt"))
             .replace("{deliveries}", &table("_deliveries"))
             .replace("{claims}", &table("_claims"))
             .replace("{holds}", &table("_holds"))

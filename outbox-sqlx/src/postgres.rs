@@ -190,6 +190,24 @@ ALTER TABLE {deliveries} ALTER COLUMN aggregate_type SET NOT NULL,
 CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
 "#,
     ),
+    (
+        6,
+        "deliveries behind the head of their key wait without a due time",
+        r#"
+-- Only the first undelivered row of a (subscriber, aggregate) key has a due time; the rows
+-- behind it have none, so they are out of the due index and a claim never reads them one by
+-- one. When the head is delivered, its record gives the next row its due time; a claim takes
+-- a due head together with the ready rows behind it, in order.
+ALTER TABLE {deliveries} ALTER COLUMN next_retry_at DROP NOT NULL,
+    ALTER COLUMN next_retry_at DROP DEFAULT;
+UPDATE {deliveries} AS d SET next_retry_at = NULL
+WHERE d.dead_at IS NULL AND d.claim_id IS NULL
+  AND EXISTS (
+      SELECT 1 FROM {deliveries} AS h
+      WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
+        AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id);
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -448,8 +466,10 @@ claimable AS MATERIALIZED (
     SELECT d.id, d.aggregate_type, d.aggregate_id FROM decided AS d
     WHERE NOT d.waits ORDER BY d.id LIMIT $1
 ),
-due AS (
-    SELECT d.subscriber, d.event_id FROM {deliveries} AS d
+due_heads AS MATERIALIZED (
+    -- Due deliveries that are the first of their key: rows behind a head have no due time
+    -- and are not read here, however many wait.
+    SELECT d.subscriber, d.aggregate_type, d.aggregate_id, d.event_id FROM {deliveries} AS d
     WHERE d.dead_at IS NULL AND d.next_retry_at <= now() AND d.claim_id IS NULL
       AND NOT EXISTS (
           SELECT 1 FROM {deliveries} AS h
@@ -458,6 +478,27 @@ due AS (
     ORDER BY d.event_id
     LIMIT $1
     FOR UPDATE SKIP LOCKED
+),
+due AS MATERIALIZED (
+    -- Each due head with the rows right behind it that are ready (not dead, not claimed, not
+    -- waiting for a retry), in order: a key that is free again drains in bulk. The batch's
+    -- share is split between the heads, so this reads about a batch of rows.
+    SELECT r.subscriber, r.event_id FROM due_heads AS h
+    CROSS JOIN LATERAL (
+        SELECT f.subscriber, f.event_id,
+               bool_and(f.event_id = h.event_id
+                        OR (f.dead_at IS NULL AND f.claim_id IS NULL
+                            AND (f.next_retry_at IS NULL OR f.next_retry_at <= now())))
+                   OVER (ORDER BY f.event_id) AS ready
+        FROM {deliveries} AS f
+        WHERE f.subscriber = h.subscriber AND f.aggregate_id = h.aggregate_id
+          AND f.aggregate_type = h.aggregate_type AND f.event_id >= h.event_id
+        ORDER BY f.event_id
+        LIMIT greatest(1, $1 / (SELECT count(*) FROM due_heads))
+    ) AS r
+    WHERE r.ready
+    ORDER BY r.event_id
+    LIMIT $1
 ),
 claim AS (
     -- One aggregation step feeds the three arrays each row: they stay in step. The lease
@@ -473,7 +514,7 @@ claim AS (
 claimed_deliveries AS (
     UPDATE {deliveries} AS d SET claim_id = (SELECT id FROM claim)
     FROM due JOIN {outbox} AS o ON o.id = due.event_id
-    WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id
+    WHERE d.subscriber = due.subscriber AND d.event_id = due.event_id AND d.claim_id IS NULL
     RETURNING d.claim_id, {event_columns}, d.attempts, d.expired_claims, d.subscriber,
               NULL::text[] AS blocked
 ),
@@ -571,9 +612,46 @@ dead AS (
     FROM unnest($6::int8[], $7::text[]) AS x(id, reason)
     WHERE o.id = x.id AND o.id = ANY($6::int8[]) AND (SELECT live FROM live)
 ),
+gone_rows AS MATERIALIZED (
+    SELECT * FROM unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
+),
+new_rows AS MATERIALIZED (
+    -- A NULL delay: the delivery waits behind an earlier one of its key.
+    SELECT * FROM unnest($10::int8[], $11::text[], $12::text[], $13::uuid[], $14::int4[],
+                         $15::text[], $16::float8[], $17::bool[])
+         AS x(event_id, subscriber, aggregate_type, aggregate_id, attempts, error, delay, dead)
+),
+released_rows AS MATERIALIZED (
+    SELECT * FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
+),
+heads AS MATERIALIZED (
+    -- The first row of each key this record touches, once it is applied: the rows it keeps
+    -- and the ones it writes, less the ones it deletes. That row is due (a waiting one at
+    -- once); the rest of the key waits behind it without a due time.
+    SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
+           least(
+               (SELECT h.event_id FROM {deliveries} AS h
+                WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
+                  AND h.aggregate_type = k.aggregate_type
+                  AND h.event_id <> ALL(ARRAY(
+                      SELECT g.event_id FROM gone_rows AS g WHERE g.subscriber = k.subscriber))
+                ORDER BY h.event_id LIMIT 1),
+               (SELECT min(n.event_id) FROM new_rows AS n
+                WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
+                  AND n.aggregate_type = k.aggregate_type)) AS event_id
+    FROM (
+        SELECT d.subscriber, d.aggregate_type, d.aggregate_id
+        FROM {deliveries} AS d
+        JOIN (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
+          ON d.subscriber = x.subscriber AND d.event_id = x.event_id
+        UNION
+        SELECT n.subscriber, n.aggregate_type, n.aggregate_id FROM new_rows AS n
+    ) AS k
+    WHERE (SELECT live FROM live)
+),
 delivered AS (
     DELETE FROM {deliveries} AS d
-    USING unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
+    USING gone_rows AS x
     WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
       AND d.event_id = ANY($9::int8[]) AND (SELECT live FROM live)
 ),
@@ -582,20 +660,38 @@ upserted AS (
         (event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error,
          next_retry_at, dead_at)
     SELECT x.event_id, x.subscriber, x.aggregate_type, x.aggregate_id, x.attempts, x.error,
-           now() + x.delay * interval '1 second', CASE WHEN x.dead THEN now() END
-    FROM unnest($10::int8[], $11::text[], $12::text[], $13::uuid[], $14::int4[], $15::text[],
-                $16::float8[], $17::bool[])
-         AS x(event_id, subscriber, aggregate_type, aggregate_id, attempts, error, delay, dead)
+           CASE
+               WHEN x.delay IS NOT NULL THEN now() + x.delay * interval '1 second'
+               WHEN x.event_id IN (SELECT h.event_id FROM heads AS h
+                                   WHERE h.subscriber = x.subscriber) THEN now()
+           END,
+           CASE WHEN x.dead THEN now() END
+    FROM new_rows AS x
     WHERE (SELECT live FROM live)
     ON CONFLICT (subscriber, event_id) DO UPDATE
     SET attempts = excluded.attempts, last_error = excluded.last_error,
         next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claim_id = NULL
 ),
 released_deliveries AS (
-    UPDATE {deliveries} AS d SET claim_id = NULL
-    FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
+    UPDATE {deliveries} AS d SET claim_id = NULL,
+        next_retry_at = CASE
+            WHEN d.next_retry_at IS NULL AND d.event_id IN (
+                SELECT h.event_id FROM heads AS h WHERE h.subscriber = d.subscriber)
+            THEN now() ELSE d.next_retry_at END
+    FROM released_rows AS x
     WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
       AND d.event_id = ANY($19::int8[]) AND (SELECT live FROM live)
+),
+promoted AS (
+    -- Rows that this record made the first of their key (the rows before them were
+    -- delivered): due now. (Not rows written above: a row is written once per statement.)
+    UPDATE {deliveries} AS d SET next_retry_at = now()
+    FROM heads AS h
+    WHERE d.subscriber = h.subscriber AND d.event_id = h.event_id
+      AND d.next_retry_at IS NULL AND d.dead_at IS NULL
+      AND d.event_id NOT IN (SELECT n.event_id FROM new_rows AS n WHERE n.subscriber = d.subscriber)
+      AND d.event_id NOT IN (SELECT r.event_id FROM released_rows AS r
+                             WHERE r.subscriber = d.subscriber)
 )
 SELECT live FROM live"#
             )),
@@ -670,7 +766,18 @@ FROM (SELECT count(*) AS events,
 WITH gone AS (
     DELETE FROM {deliveries}
     WHERE event_id = $1 AND subscriber = $2 AND claim_id IS NULL
-    RETURNING event_id, subscriber, attempts, last_error
+    RETURNING event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error
+),
+promoted AS (
+    -- The row behind it, if it is now the first of its key, is due.
+    UPDATE {deliveries} AS d SET next_retry_at = now()
+    FROM gone AS g
+    WHERE d.subscriber = g.subscriber AND d.next_retry_at IS NULL AND d.dead_at IS NULL
+      AND d.event_id = (
+          SELECT h.event_id FROM {deliveries} AS h
+          WHERE h.subscriber = g.subscriber AND h.aggregate_id = g.aggregate_id
+            AND h.aggregate_type = g.aggregate_type AND h.event_id <> g.event_id
+          ORDER BY h.event_id LIMIT 1)
 )
 INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
 SELECT event_id, subscriber, attempts, last_error, $3 FROM gone"#
@@ -868,14 +975,15 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                     rel_subscribers.push(d.subscriber.as_str());
                     rel_ids.push(d.event_id);
                 }
-                DeliveryOutcome::Waiting => up.push(d, 0, None, Duration::ZERO, false),
+                // Due when it is the first of its key, else behind the first.
+                DeliveryOutcome::Waiting => up.push(d, 0, None, None, false),
                 DeliveryOutcome::Retry {
                     attempts,
                     error,
                     retry_in,
-                } => up.push(d, *attempts, Some(error), *retry_in, false),
+                } => up.push(d, *attempts, Some(error), Some(*retry_in), false),
                 DeliveryOutcome::Dead { attempts, error } => {
-                    up.push(d, *attempts, Some(error), Duration::ZERO, true);
+                    up.push(d, *attempts, Some(error), Some(Duration::ZERO), true);
                 }
             }
         }
@@ -1102,7 +1210,7 @@ struct Upserts<'a> {
     aggregate_ids: Vec<Uuid>,
     attempts: Vec<i32>,
     errors: Vec<Option<&'a str>>,
-    delays: Vec<f64>,
+    delays: Vec<Option<f64>>,
     dead: Vec<bool>,
 }
 
@@ -1112,7 +1220,7 @@ impl<'a> Upserts<'a> {
         record: &'a outbox_core::store::DeliveryRecord,
         attempts: u32,
         error: Option<&'a String>,
-        delay: Duration,
+        delay: Option<Duration>,
         dead: bool,
     ) {
         self.event_ids.push(record.event_id);
@@ -1122,7 +1230,7 @@ impl<'a> Upserts<'a> {
         self.attempts
             .push(i32::try_from(attempts).unwrap_or(i32::MAX));
         self.errors.push(error.map(String::as_str));
-        self.delays.push(delay.as_secs_f64());
+        self.delays.push(delay.map(|d| d.as_secs_f64()));
         self.dead.push(dead);
     }
 }

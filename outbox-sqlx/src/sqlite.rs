@@ -6,6 +6,7 @@
 //! process's clock. SQLite allows one writer at a time, so ids follow commit order without the
 //! advisory lock PostgreSQL needs, and a claim is a short `BEGIN IMMEDIATE` transaction.
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
@@ -133,6 +134,47 @@ CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, ag
 CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
 "#,
     ),
+    (
+        5,
+        "deliveries behind the head of their key wait without a due time",
+        r#"
+-- Only the first undelivered row of a (subscriber, aggregate) key has a due time; the rows
+-- behind it have none, so they are out of the due index and a claim never reads them one by
+-- one. When the head is delivered, its record gives the next row its due time; a claim takes
+-- a due head together with the ready rows behind it, in order. (SQLite cannot drop a NOT NULL
+-- constraint: the table is rebuilt.)
+CREATE TABLE {deliveries_rebuilt} (
+    event_id        INTEGER NOT NULL REFERENCES {outbox} (id),
+    subscriber      TEXT NOT NULL,
+    aggregate_type  TEXT NOT NULL,
+    aggregate_id    BLOB NOT NULL,
+    attempts        INTEGER NOT NULL DEFAULT 0,
+    last_error      TEXT,
+    next_retry_at   INTEGER,
+    dead_at         INTEGER,
+    claim_id        INTEGER,
+    expired_claims  INTEGER NOT NULL DEFAULT 0,
+    PRIMARY KEY (subscriber, event_id)
+);
+INSERT INTO {deliveries_rebuilt} (event_id, subscriber, aggregate_type, aggregate_id, attempts,
+    last_error, next_retry_at, dead_at, claim_id, expired_claims)
+SELECT d.event_id, d.subscriber, d.aggregate_type, d.aggregate_id, d.attempts, d.last_error,
+       CASE WHEN d.dead_at IS NULL AND d.claim_id IS NULL AND EXISTS (
+                SELECT 1 FROM {deliveries} AS h
+                WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
+                  AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
+            THEN NULL ELSE d.next_retry_at END,
+       d.dead_at, d.claim_id, d.expired_claims
+FROM {deliveries} AS d;
+DROP TABLE {deliveries};
+ALTER TABLE {deliveries_rebuilt} RENAME TO {deliveries};
+CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, aggregate_type, event_id);
+CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
+CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at) WHERE dead_at IS NULL;
+CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
+CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -148,6 +190,8 @@ pub struct SqliteQueries {
     candidates: SqlStr,
     mark: SqlStr,
     due_deliveries: SqlStr,
+    /// Gives the first delivery of a key its due time, if it waited behind another.
+    promote_head: SqlStr,
     new_claim: SqlStr,
     claim_events: SqlStr,
     claim_deliveries: SqlStr,
@@ -280,14 +324,48 @@ WHERE {outbox}.id = json_extract(m.value, '$[0]')"#
             )),
             due_deliveries: sql(format!(
                 r#"
-SELECT d.subscriber, d.event_id FROM {deliveries} AS d
-WHERE d.dead_at IS NULL AND d.next_retry_at <= $1 AND d.claim_id IS NULL
-  AND NOT EXISTS (
-      SELECT 1 FROM {deliveries} AS h
-      WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
-        AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
-ORDER BY d.event_id
+WITH heads AS MATERIALIZED (
+    -- Due deliveries that are the first of their key: rows behind a head have no due time
+    -- and are not read here, however many wait.
+    SELECT d.subscriber, d.aggregate_type, d.aggregate_id, d.event_id FROM {deliveries} AS d
+    WHERE d.dead_at IS NULL AND d.next_retry_at <= $1 AND d.claim_id IS NULL
+      AND NOT EXISTS (
+          SELECT 1 FROM {deliveries} AS h
+          WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
+            AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
+    ORDER BY d.event_id
+    LIMIT $2
+),
+share AS (SELECT max(1, $2 / (SELECT count(*) FROM heads)) AS per_key),
+candidates AS (
+    -- Each head with the rows right behind it, at most its share of the batch.
+    SELECT f.subscriber, f.event_id,
+           min(f.event_id = h.event_id
+               OR (f.dead_at IS NULL AND f.claim_id IS NULL
+                   AND (f.next_retry_at IS NULL OR f.next_retry_at <= $1)))
+               OVER (PARTITION BY h.subscriber, h.event_id ORDER BY f.event_id) AS ready
+    FROM heads AS h
+    JOIN {deliveries} AS f
+      ON f.subscriber = h.subscriber AND f.aggregate_id = h.aggregate_id
+     AND f.aggregate_type = h.aggregate_type AND f.event_id >= h.event_id
+     AND f.event_id <= coalesce((
+         SELECT x.event_id FROM {deliveries} AS x
+         WHERE x.subscriber = h.subscriber AND x.aggregate_id = h.aggregate_id
+           AND x.aggregate_type = h.aggregate_type AND x.event_id >= h.event_id
+         ORDER BY x.event_id LIMIT 1 OFFSET (SELECT per_key FROM share) - 1), h.event_id)
+)
+SELECT subscriber, event_id FROM candidates WHERE ready
+ORDER BY event_id
 LIMIT $2"#
+            )),
+            promote_head: sql(format!(
+                r#"
+UPDATE {deliveries} SET next_retry_at = $4
+WHERE subscriber = $1 AND next_retry_at IS NULL AND dead_at IS NULL
+  AND event_id = (
+      SELECT h.event_id FROM {deliveries} AS h
+      WHERE h.subscriber = $1 AND h.aggregate_type = $2 AND h.aggregate_id = $3
+      ORDER BY h.event_id LIMIT 1)"#
             )),
             new_claim: sql(format!(
                 "INSERT INTO {claims} (until, claimed_at) VALUES ($1, $2) RETURNING id"
@@ -413,7 +491,7 @@ SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS 
                 r#"
 DELETE FROM {deliveries}
 WHERE event_id = $1 AND subscriber = $2 AND claim_id IS NULL
-RETURNING attempts, last_error"#
+RETURNING attempts, last_error, aggregate_type, aggregate_id"#
             )),
             skip_event: sql(format!(
                 r#"
@@ -748,7 +826,7 @@ DELETE FROM {outbox} WHERE id IN (
                 .await?;
         }
         for d in &outcomes.deliveries {
-            let upsert = |attempts: u32, error: Option<&String>, at: i64, dead: Option<i64>| {
+            let upsert = |attempts: u32, error: Option<&String>, at: Option<i64>, dead: Option<i64>| {
                 sqlx::query(queries.upsert_delivery.clone())
                     .bind(d.event_id)
                     .bind(d.subscriber.clone())
@@ -766,14 +844,15 @@ DELETE FROM {outbox} WHERE id IN (
                     .bind(token),
                 // Released below, with whatever else this claim holds.
                 DeliveryOutcome::Released => continue,
-                DeliveryOutcome::Waiting => upsert(0, None, now, None),
+                // Due once it is the first of its key: see `promote_head` below.
+                DeliveryOutcome::Waiting => upsert(0, None, None, None),
                 DeliveryOutcome::Retry {
                     attempts,
                     error,
                     retry_in,
-                } => upsert(*attempts, Some(error), after(*retry_in), None),
+                } => upsert(*attempts, Some(error), Some(after(*retry_in)), None),
                 DeliveryOutcome::Dead { attempts, error } => {
-                    upsert(*attempts, Some(error), now, Some(now))
+                    upsert(*attempts, Some(error), Some(now), Some(now))
                 }
             };
             query.execute(&mut *tx).await?;
@@ -782,6 +861,21 @@ DELETE FROM {outbox} WHERE id IN (
             .bind(token)
             .execute(&mut *tx)
             .await?;
+        // The first row of each key this record touched is due; the rest wait behind it.
+        let keys: BTreeSet<(&str, &str, Uuid)> = outcomes
+            .deliveries
+            .iter()
+            .map(|d| (d.subscriber.as_str(), d.aggregate_type.as_str(), d.aggregate_id))
+            .collect();
+        for (subscriber, aggregate_type, aggregate_id) in keys {
+            sqlx::query(queries.promote_head.clone())
+                .bind(subscriber)
+                .bind(aggregate_type)
+                .bind(aggregate_id)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
+        }
         tx.commit().await?;
         Ok(Recorded::Applied)
     }
@@ -883,11 +977,23 @@ DELETE FROM {outbox} WHERE id IN (
         let Some(row) = gone else {
             return Ok(false);
         };
-        if subscriber.is_none() {
-            sqlx::query(queries.unhold_behind.clone())
-                .bind(json!([event_id]).to_string())
-                .execute(&mut *tx)
-                .await?;
+        match subscriber {
+            None => {
+                sqlx::query(queries.unhold_behind.clone())
+                    .bind(json!([event_id]).to_string())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            // The row behind it, if it is now the first of its key, is due.
+            Some(subscriber) => {
+                sqlx::query(queries.promote_head.clone())
+                    .bind(subscriber)
+                    .bind(row.try_get::<String, _>("aggregate_type")?)
+                    .bind(row.try_get::<Uuid, _>("aggregate_id")?)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await?;
+            }
         }
         sqlx::query(queries.record_skip.clone())
             .bind(event_id)
