@@ -352,7 +352,8 @@ candidates AS (
          SELECT x.event_id FROM {deliveries} AS x
          WHERE x.subscriber = h.subscriber AND x.aggregate_id = h.aggregate_id
            AND x.aggregate_type = h.aggregate_type AND x.event_id >= h.event_id
-         ORDER BY x.event_id LIMIT 1 OFFSET (SELECT per_key FROM share) - 1), h.event_id)
+         ORDER BY x.event_id LIMIT 1 OFFSET (SELECT per_key FROM share) - 1),
+         9223372036854775807)
 )
 SELECT subscriber, event_id FROM candidates WHERE ready
 ORDER BY event_id

@@ -28,6 +28,7 @@ on_both_backends!(
     a_payload_of_a_newer_version_is_parked_not_dead,
     a_subscriber_that_fails_is_retried_alone,
     a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
+    a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
@@ -526,6 +527,44 @@ async fn a_failing_event_holds_back_its_aggregate_for_that_subscriber_only<B: Te
             (b, 3, 1)
         ]
     );
+}
+
+/// After a failure, the later events of its (subscriber, aggregate) wait as deliveries; once
+/// the failed one is delivered, the next claim takes them all, in order, not one per batch.
+async fn a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order<B: TestBackend>() {
+    const EVENTS: u32 = 30;
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let relay = relay(&outbox, XAndY::new(&probe), config().with_batch_size(50));
+    let events: Vec<Ping> = (1..=EVENTS)
+        .map(|seq| Ping { aggregate: a, seq })
+        .collect();
+    publish(&outbox, &events).await;
+
+    let first = relay.run_once().await.unwrap();
+    assert_eq!((first.retried, first.waiting), (1, EVENTS as usize - 1));
+    // Claims until x has everything; claims that find nothing (the retry is not due yet) are
+    // not counted.
+    let reports = run_until(&relay, WAIT, || {
+        probe.delivered_to("x").len() == EVENTS as usize
+    })
+    .await;
+    let batches: Vec<usize> = reports
+        .iter()
+        .filter(|r| r.claimed > 0)
+        .map(|r| r.claimed)
+        .collect();
+    assert_eq!(
+        batches,
+        [EVENTS as usize],
+        "the retry and the {} deliveries behind it in one batch",
+        EVENTS - 1
+    );
+    let seqs: Vec<u32> = probe.delivered_to("x").iter().map(|(_, s)| *s).collect();
+    assert_eq!(seqs, (1..=EVENTS).collect::<Vec<_>>());
+    assert_eq!(probe.delivered_to("y").len(), EVENTS as usize);
 }
 
 async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {
