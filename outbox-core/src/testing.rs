@@ -648,7 +648,11 @@ impl Store for MemoryStore {
         let mut closed: BTreeSet<(&str, &str, Uuid)> = BTreeSet::new();
         let mut due: Vec<(i64, String)> = Vec::new();
         for (key, row) in &state.deliveries {
-            let of = (key.1.as_str(), row.aggregate_type.as_str(), row.aggregate_id);
+            let of = (
+                key.1.as_str(),
+                row.aggregate_type.as_str(),
+                row.aggregate_id,
+            );
             if closed.contains(&of) {
                 continue;
             }

@@ -232,6 +232,12 @@ pub struct PgQueries {
     requeue_subscriber: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
+    /// Begins a record that writes deliveries (see `lock_keys`).
+    record_begin: SqlStr,
+    /// Locks (subscriber, aggregate) keys of deliveries, in one order.
+    lock_keys: SqlStr,
+    /// Locks the key of one delivery.
+    lock_delivery_key: SqlStr,
     subscribers: SqlStr,
     dead_letters: SqlStr,
     skip_delivery: SqlStr,
@@ -289,6 +295,9 @@ impl Backend for Postgres {
         let holds = names.qualified("_holds");
         let skips = names.qualified("_skips");
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
+        // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
+        // own namespace (publishers lock aggregates under the table's namespace itself).
+        let keys_lock = !names.lock_namespace();
         // The columns the relay reads of a claimed event, in `claim_from_row`'s order after the
         // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at. The time is
         // read as microseconds since the epoch (NULL when not finite): sqlx's decoder panics
@@ -301,6 +310,25 @@ impl Backend for Postgres {
         PgQueries {
             lock_namespace: names.lock_namespace(),
             claim_begin: sql(claim_begin(lock)),
+            record_begin: sql(format!(
+                "BEGIN ISOLATION LEVEL READ COMMITTED;
+                 SET LOCAL lock_timeout = '{LOCK_TIMEOUT}'"
+            )),
+            lock_keys: sql(format!(
+                r#"
+SELECT count(pg_advisory_xact_lock({keys_lock}, k)) FROM (
+    SELECT DISTINCT hashtext(x.subscriber || '/' || x.aggregate_type || '/' || x.aggregate_id)
+        AS k
+    FROM unnest($1::text[], $2::text[], $3::uuid[]) AS x(subscriber, aggregate_type, aggregate_id)
+    ORDER BY 1
+) AS keys"#
+            )),
+            lock_delivery_key: sql(format!(
+                r#"
+SELECT pg_advisory_xact_lock({keys_lock},
+           hashtext(subscriber || '/' || aggregate_type || '/' || aggregate_id))
+FROM {deliveries} WHERE event_id = $1 AND subscriber = $2"#
+            )),
             locked_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
@@ -413,11 +441,13 @@ stalled AS MATERIALIZED (
         ORDER BY e.id
         LIMIT 1
     ) AS s
-    WHERE EXISTS (
-        SELECT 1 FROM {outbox} AS e
-        WHERE e.published_at IS NULL
-          AND (e.dead_at IS NOT NULL OR e.next_retry_at IS NOT NULL
-               OR e.held_by IS NOT NULL OR e.held_behind IS NOT NULL))
+    -- (In the order of `stalled_idx`, so that the check reads that index, not the outbox.)
+    WHERE (SELECT true FROM {outbox} AS e
+           WHERE e.published_at IS NULL
+             AND (e.dead_at IS NOT NULL OR e.next_retry_at IS NOT NULL
+                  OR e.held_by IS NOT NULL OR e.held_behind IS NOT NULL)
+           ORDER BY e.aggregate_id, e.id
+           LIMIT 1)
 ),
 decided AS MATERIALIZED (
     -- A candidate waits when its aggregate is in a live claim, or has an earlier stalled event.
@@ -467,15 +497,15 @@ claimable AS MATERIALIZED (
     WHERE NOT d.waits ORDER BY d.id LIMIT $1
 ),
 due_heads AS MATERIALIZED (
-    -- Due deliveries that are the first of their key: rows behind a head have no due time
-    -- and are not read here, however many wait.
+    -- Due deliveries that are the first of their key, longest due first: rows behind a head
+    -- have no due time and are not read here, however many wait (nor are dead ones).
     SELECT d.subscriber, d.aggregate_type, d.aggregate_id, d.event_id FROM {deliveries} AS d
     WHERE d.dead_at IS NULL AND d.next_retry_at <= now() AND d.claim_id IS NULL
       AND NOT EXISTS (
           SELECT 1 FROM {deliveries} AS h
           WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
             AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
-    ORDER BY d.event_id
+    ORDER BY d.next_retry_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 ),
@@ -987,6 +1017,29 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 }
             }
         }
+        // Records that write deliveries of the same key take turns, each statement reading
+        // after the previous record committed: the first row of a key is always due (see
+        // `heads` in `record`), also when one record delivers the first row while another
+        // writes a row behind it.
+        let mut tx = pool.begin_with(queries.record_begin.clone()).await?;
+        let (subscribers, aggregate_types, aggregate_ids): (Vec<&str>, Vec<&str>, Vec<Uuid>) =
+            outcomes
+                .deliveries
+                .iter()
+                .map(|d| {
+                    (
+                        d.subscriber.as_str(),
+                        d.aggregate_type.as_str(),
+                        d.aggregate_id,
+                    )
+                })
+                .collect();
+        sqlx::query(queries.lock_keys.clone())
+            .bind(subscribers)
+            .bind(aggregate_types)
+            .bind(aggregate_ids)
+            .execute(&mut *tx)
+            .await?;
         let live: bool = sqlx::query_scalar(queries.record.clone())
             .bind(token.get())
             .bind(published)
@@ -1007,8 +1060,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .bind(up.dead)
             .bind(rel_subscribers)
             .bind(rel_ids)
-            .fetch_one(pool)
+            .fetch_one(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(recorded(live))
     }
 
@@ -1097,6 +1151,14 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         // Under the claim lock: events held behind the skipped one are released, and no claim
         // may set more aside behind it on an older snapshot meanwhile.
         let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
+        if let Some(subscriber) = subscriber {
+            // As a record: the row behind the skipped one is due once it is the first.
+            sqlx::query(queries.lock_delivery_key.clone())
+                .bind(event_id)
+                .bind(subscriber)
+                .execute(&mut *tx)
+                .await?;
+        }
         let skipped = query.execute(&mut *tx).await?.rows_affected() > 0;
         tx.commit().await?;
         Ok(skipped)
@@ -1378,6 +1440,7 @@ mod tests {
 
     use super::*;
     use crate::Outbox;
+    use outbox_core::store::DeliveryRecord;
 
     /// A fresh database with the outbox tables in their default names.
     async fn migrated() -> TestDb {
@@ -1591,6 +1654,143 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(held, HELD + ARRIVING);
+    }
+
+    /// A subscriber that is down does not slow the others' claims, however much waits for it:
+    /// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), and 10 000 events
+    /// are dead. A claim for a batch of pending events and a batch of due deliveries of a
+    /// healthy subscriber reads at most 10 rows per row it claims, of the outbox and of the
+    /// deliveries.
+    #[tokio::test]
+    async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
+        const BATCH: i64 = 100;
+        const KEYS: i64 = 1_000;
+        const WAITING: i64 = 100 * KEYS;
+        const DEAD: i64 = 10_000;
+        let db = migrated().await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', md5((g % {KEYS})::text)::uuid, 'E', '{{}}', now()
+             FROM generate_series(1, {WAITING}) AS g;
+             -- Per key, the first delivery is dead; the rest wait behind it.
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, attempts, next_retry_at,
+                  dead_at)
+             SELECT id, 'down', 'a', aggregate_id, 0,
+                    CASE WHEN first THEN now() END, CASE WHEN first THEN now() END
+             FROM (SELECT id, aggregate_id,
+                          row_number() OVER (PARTITION BY aggregate_id ORDER BY id) = 1 AS first
+                   FROM events.outbox) AS o;
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, dead_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, {DEAD});
+             -- A batch of due deliveries of a healthy subscriber, and a batch of new events.
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+             SELECT id, 'up', 'a', aggregate_id, now()
+             FROM events.outbox WHERE published_at IS NOT NULL ORDER BY id DESC LIMIT {BATCH};
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, {BATCH});
+             ANALYZE events.outbox;
+             ANALYZE events.outbox_deliveries;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+        let mut conn = db.pool.acquire().await.unwrap();
+        let plan = explain_claim(&mut conn, BATCH, true).await;
+        // A batch of events, a batch of deliveries, and the row that says how many events
+        // were set aside.
+        assert_eq!(
+            plan["Actual Rows"],
+            2 * BATCH + 1,
+            "the claim took both batches"
+        );
+        for relation in ["outbox", "outbox_deliveries"] {
+            let read = rows_read(&plan, relation);
+            assert!(
+                read <= (2 * 10 * BATCH) as f64,
+                "a claim of {BATCH} + {BATCH} read {read} rows of {relation}: {plan:#}"
+            );
+        }
+    }
+
+    /// Deliveries that waited behind the head of their key before migration 6 (due, as
+    /// version 5 wrote them) lose their due time in the migration; delivering the head makes
+    /// the rest due, and the next claim takes them all, in order.
+    #[tokio::test]
+    async fn deliveries_waiting_before_migration_6_are_delivered_in_order_after_it() {
+        let db = TestDb::new().await;
+        let names = TableNames::default();
+        migrate_to(&db.pool, &names, 5).await.unwrap();
+        let x = Uuid::new_v4();
+        let ids: Vec<i64> = sqlx::query_scalar(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 't', $1, 'E', '{}', now() FROM generate_series(1, 5) RETURNING id",
+        )
+        .bind(x)
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        // The first failed once and is due again; the rest wait, due at once as version 5 had it.
+        sqlx::query(
+            "INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, attempts, next_retry_at)
+             SELECT id, 's', 't', $2, (id = $3)::int, now() - interval '1 second'
+             FROM unnest($1::int8[]) AS id",
+        )
+        .bind(&ids)
+        .bind(x)
+        .bind(ids[0])
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        migrate_to(&db.pool, &names, 6).await.unwrap();
+        let due: Vec<(i64, bool)> = sqlx::query_as(
+            "SELECT event_id, next_retry_at IS NOT NULL FROM events.outbox_deliveries
+             ORDER BY event_id",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            due,
+            ids.iter()
+                .map(|id| (*id, *id == ids[0]))
+                .collect::<Vec<_>>(),
+            "only the head keeps a due time"
+        );
+
+        let queries = Postgres::queries(&names);
+        let claim = || Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60));
+        let delivered = |claims: &[Claim]| Outcomes {
+            deliveries: claims
+                .iter()
+                .map(|c| DeliveryRecord {
+                    event_id: c.event_id(),
+                    aggregate_type: "t".to_owned(),
+                    aggregate_id: x,
+                    subscriber: "s".to_owned(),
+                    outcome: DeliveryOutcome::Delivered,
+                })
+                .collect(),
+            ..Outcomes::default()
+        };
+        // The head and the ready rows behind it, in one claim, in order.
+        let batch = claim().await.unwrap();
+        let claimed: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
+        assert_eq!(claimed, ids);
+        let recorded = Postgres::record(&db.pool, &queries, batch.token, &delivered(&batch.claims))
+            .await
+            .unwrap();
+        assert_eq!(recorded, Recorded::Applied);
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox_deliveries")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 0);
     }
 
     /// Claims and records as a relay would, until a claim finds nothing; returns the event ids

@@ -827,17 +827,18 @@ DELETE FROM {outbox} WHERE id IN (
                 .await?;
         }
         for d in &outcomes.deliveries {
-            let upsert = |attempts: u32, error: Option<&String>, at: Option<i64>, dead: Option<i64>| {
-                sqlx::query(queries.upsert_delivery.clone())
-                    .bind(d.event_id)
-                    .bind(d.subscriber.clone())
-                    .bind(d.aggregate_type.clone())
-                    .bind(d.aggregate_id)
-                    .bind(i64::from(attempts))
-                    .bind(error.cloned())
-                    .bind(at)
-                    .bind(dead)
-            };
+            let upsert =
+                |attempts: u32, error: Option<&String>, at: Option<i64>, dead: Option<i64>| {
+                    sqlx::query(queries.upsert_delivery.clone())
+                        .bind(d.event_id)
+                        .bind(d.subscriber.clone())
+                        .bind(d.aggregate_type.clone())
+                        .bind(d.aggregate_id)
+                        .bind(i64::from(attempts))
+                        .bind(error.cloned())
+                        .bind(at)
+                        .bind(dead)
+                };
             let query = match &d.outcome {
                 DeliveryOutcome::Delivered => sqlx::query(queries.delete_delivery.clone())
                     .bind(d.subscriber.clone())
@@ -866,7 +867,13 @@ DELETE FROM {outbox} WHERE id IN (
         let keys: BTreeSet<(&str, &str, Uuid)> = outcomes
             .deliveries
             .iter()
-            .map(|d| (d.subscriber.as_str(), d.aggregate_type.as_str(), d.aggregate_id))
+            .map(|d| {
+                (
+                    d.subscriber.as_str(),
+                    d.aggregate_type.as_str(),
+                    d.aggregate_id,
+                )
+            })
             .collect();
         for (subscriber, aggregate_type, aggregate_id) in keys {
             sqlx::query(queries.promote_head.clone())

@@ -1,6 +1,7 @@
 //! Several relays sharing one PostgreSQL: four worker processes deliver what eight producers
 //! write to overlapping aggregates. Each (subscriber, aggregate) must see its events in commit
-//! order, every event must be delivered, and none twice.
+//! order, every event must be delivered, and none twice: with handlers called one at a time,
+//! and with 64 at a time per worker, handlers that take 0-5 ms and fail 10% of the time.
 //!
 //! The workers are this test binary run again with `OUTBOX_WORKER_DATABASE` set: see
 //! `worker_process`, which does nothing when run without it.
@@ -39,6 +40,8 @@ struct Recorder {
     worker: i32,
     /// Fail the first attempt of some events, so that retries cross workers too.
     flaky: bool,
+    /// Take 0-5 ms and fail 10% of all attempts, whatever the subscriber.
+    chaos: bool,
 }
 
 impl Recorder {
@@ -46,6 +49,12 @@ impl Recorder {
         let id = delivery.event().id;
         if self.flaky && delivery.attempt() == 1 && id % 7 == 0 {
             return Err(HandlerError::transient("scripted failure"));
+        }
+        if self.chaos {
+            tokio::time::sleep(Duration::from_micros(fastrand::u64(0..5_000))).await;
+            if fastrand::u32(0..10) == 0 {
+                return Err(HandlerError::transient("random failure"));
+            }
         }
         sqlx::query(
             "INSERT INTO seen (subscriber, aggregate, version, event_id, worker)
@@ -94,8 +103,13 @@ async fn worker_process() {
         return;
     };
     let worker: i32 = std::env::var("OUTBOX_WORKER_ID").unwrap().parse().unwrap();
+    let concurrency: usize = std::env::var("OUTBOX_WORKER_CONCURRENCY")
+        .unwrap()
+        .parse()
+        .unwrap();
+    let chaos = concurrency > 1;
     let pool = PgPoolOptions::new()
-        .max_connections(4)
+        .max_connections(if chaos { 16 } else { 4 })
         .connect(&url)
         .await
         .unwrap();
@@ -104,6 +118,13 @@ async fn worker_process() {
         pool: pool.clone(),
         worker,
         flaky,
+        chaos,
+    };
+    // With failures on 10% of all attempts, enough retries that none runs out.
+    let retry = if chaos {
+        RetryPolicy::new([Duration::from_millis(10); 30])
+    } else {
+        RetryPolicy::new([Duration::from_millis(30); 5])
     };
     let relay = outbox
         .relay(
@@ -113,8 +134,9 @@ async fn worker_process() {
             },
             RelayConfig::default()
                 .with_batch_size(20)
+                .with_concurrency(concurrency)
                 .with_poll_interval(Duration::from_millis(20))
-                .with_retry(RetryPolicy::new([Duration::from_millis(30); 5]).unwrap()),
+                .with_retry(retry.unwrap()),
         )
         .unwrap();
     relay.run(std::future::pending()).await;
@@ -134,7 +156,15 @@ impl Drop for Workers {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_worker_processes_keep_order_and_lose_nothing() {
-    workers_keep_order(None).await;
+    workers_keep_order(None, 1, AGGREGATES).await;
+}
+
+/// Four worker processes calling up to 64 handlers at once each, over 200 aggregates, with
+/// handlers that take 0-5 ms and fail 10% of their attempts: each (subscriber, aggregate) still
+/// sees its events in commit order, each once, and every event arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_key_order_holds_at_concurrency_64() {
+    workers_keep_order(None, 64, 200).await;
 }
 
 /// The same, with the database's default isolation raised: the claim must run at READ
@@ -142,8 +172,8 @@ async fn several_worker_processes_keep_order_and_lose_nothing() {
 /// lock it waited for, and it would claim what the previous claimer just took).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn claims_keep_order_under_repeatable_read_and_serializable_defaults() {
-    workers_keep_order(Some("repeatable read")).await;
-    workers_keep_order(Some("serializable")).await;
+    workers_keep_order(Some("repeatable read"), 1, AGGREGATES).await;
+    workers_keep_order(Some("serializable"), 1, AGGREGATES).await;
 }
 
 /// Whether a commit failed only because of a concurrent transaction: try it again.
@@ -152,7 +182,7 @@ fn is_serialization_failure(error: &outbox_sqlx::Error) -> bool {
     text.contains("40001") || text.contains("could not serialize") || text.contains("deadlock")
 }
 
-async fn workers_keep_order(isolation: Option<&str>) {
+async fn workers_keep_order(isolation: Option<&str>, concurrency: usize, aggregates: usize) {
     let db = TestDb::new().await;
     if let Some(isolation) = isolation {
         sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
@@ -188,7 +218,7 @@ async fn workers_keep_order(isolation: Option<&str>) {
     .execute(&db_pool)
     .await
     .unwrap();
-    let aggregates: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
+    let aggregates: Vec<Uuid> = (0..aggregates).map(|_| Uuid::new_v4()).collect();
     sqlx::query("INSERT INTO aggregates SELECT unnest($1::uuid[]), 0")
         .bind(&aggregates)
         .execute(&db_pool)
@@ -203,6 +233,7 @@ async fn workers_keep_order(isolation: Option<&str>) {
                     .args(["worker_process", "--exact", "--ignored", "--nocapture"])
                     .env("OUTBOX_WORKER_DATABASE", &url)
                     .env("OUTBOX_WORKER_ID", worker.to_string())
+                    .env("OUTBOX_WORKER_CONCURRENCY", concurrency.to_string())
                     .stdout(Stdio::null())
                     .spawn()
                     .expect("start a worker process")

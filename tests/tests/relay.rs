@@ -538,9 +538,7 @@ async fn a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order<B: 
     let a = Uuid::new_v4();
     probe.fail("x", a, 1, [Fail::Transient]);
     let relay = relay(&outbox, XAndY::new(&probe), config().with_batch_size(50));
-    let events: Vec<Ping> = (1..=EVENTS)
-        .map(|seq| Ping { aggregate: a, seq })
-        .collect();
+    let events: Vec<Ping> = (1..=EVENTS).map(|seq| Ping { aggregate: a, seq }).collect();
     publish(&outbox, &events).await;
 
     let first = relay.run_once().await.unwrap();

@@ -87,7 +87,7 @@ fn three(work: &Work) -> Three {
 }
 
 /// Drains `events` prefilled events over `accounts` aggregates with `router`; returns events/s.
-async fn drain_with<R: Router>(
+async fn drain_with<R: Router + Send + Sync + 'static>(
     events: u64,
     accounts: usize,
     subscribers: u64,
@@ -107,13 +107,20 @@ async fn drain_with<R: Router>(
     let relay = Relay::new(outbox.store(), router(&work), config).unwrap();
     let target = events * subscribers;
     let start = Instant::now();
-    relay
-        .run(async {
-            while done.load(Ordering::Relaxed) < target {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await;
+    // In a spawned task, as a service runs its relay: on a runtime worker, which drives the
+    // sockets and timers itself, not on the main thread.
+    let watched = done.clone();
+    tokio::spawn(async move {
+        relay
+            .run(async {
+                while watched.load(Ordering::Relaxed) < target {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+    })
+    .await
+    .unwrap();
     let elapsed = start.elapsed();
     assert_eq!(
         done.load(Ordering::Relaxed),
@@ -194,7 +201,7 @@ pub(crate) async fn writing_handlers(runs: usize, config: &RelayConfig) {
             )
             .await,
         );
-        raw.push(raw_writes(EVENTS, concurrency).await);
+        raw.push(tokio::spawn(raw_writes(EVENTS, concurrency)).await.unwrap());
     }
     super::report(
         &format!("(g) audit insert per event, concurrency {concurrency}"),
