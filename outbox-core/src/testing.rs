@@ -617,32 +617,6 @@ impl Store for MemoryStore {
                 held.insert(key);
             }
         }
-        let mut claims = Vec::new();
-        for id in taken {
-            let Some(row) = state.events.get(&id) else {
-                continue;
-            };
-            let stored = &row.event.stored;
-            let blocked: BTreeSet<String> = state
-                .deliveries
-                .values()
-                .filter(|d| {
-                    d.aggregate_id == stored.aggregate_id
-                        && d.aggregate_type == stored.aggregate_type
-                })
-                .map(|d| d.delivery.subscriber.clone())
-                .collect();
-            claims.push(Claim::Event {
-                event: stored.clone(),
-                parked: row.event.parked,
-                expired: row.expired_claims,
-                blocked: blocked.into_iter().collect(),
-            });
-            if let Some(row) = state.events.get_mut(&id) {
-                row.claim = Some(token);
-            }
-        }
-
         // Per (subscriber, aggregate), the ready rows from its first one on, in order: a due
         // head and the rows right behind it that are not dead, claimed or waiting for a retry.
         let mut closed: BTreeSet<(&str, &str, Uuid)> = BTreeSet::new();
@@ -664,6 +638,36 @@ impl Store for MemoryStore {
                 closed.insert(of);
             }
         }
+        let mut claims = Vec::new();
+        for id in taken {
+            let Some(row) = state.events.get(&id) else {
+                continue;
+            };
+            let stored = &row.event.stored;
+            // Deliveries of this claim do not hold the event back: they run first, in their
+            // subscriber's queue.
+            let blocked: BTreeSet<String> = state
+                .deliveries
+                .iter()
+                .filter(|(key, d)| {
+                    d.aggregate_id == stored.aggregate_id
+                        && d.aggregate_type == stored.aggregate_type
+                        && !due.contains(key)
+                })
+                .map(|(_, d)| d)
+                .map(|d| d.delivery.subscriber.clone())
+                .collect();
+            claims.push(Claim::Event {
+                event: stored.clone(),
+                parked: row.event.parked,
+                expired: row.expired_claims,
+                blocked: blocked.into_iter().collect(),
+            });
+            if let Some(row) = state.events.get_mut(&id) {
+                row.claim = Some(token);
+            }
+        }
+
         for key in due {
             let Some(event) = state.events.get(&key.0).map(|e| e.event.stored.clone()) else {
                 continue;

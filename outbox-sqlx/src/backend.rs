@@ -183,6 +183,12 @@ where
 }
 
 /// A row count from SQL as a `u64`.
+/// The fewest deliveries of one (subscriber, aggregate) a claim takes behind a due head (when
+/// several keys are due, the batch is split between them, but not thinner than this): a key
+/// that is free again drains in bulk, and a claim reads at most this many rows per row it
+/// takes, plus a batch.
+pub(crate) const MIN_SHARE: i64 = 8;
+
 pub(crate) fn row_count(n: i64) -> u64 {
     u64::try_from(n).unwrap_or(0)
 }

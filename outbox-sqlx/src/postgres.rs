@@ -15,7 +15,8 @@ use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status, subscribers_query,
+    Backend, MIN_SHARE, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status,
+    subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -511,11 +512,12 @@ due_heads AS MATERIALIZED (
 ),
 due AS MATERIALIZED (
     -- Each due head with the rows right behind it that are ready (not dead, not claimed, not
-    -- waiting for a retry), in order: a key that is free again drains in bulk. The batch's
-    -- share is split between the heads, so this reads about a batch of rows.
-    SELECT r.subscriber, r.event_id FROM due_heads AS h
+    -- waiting for a retry), in order: a key that is free again drains in bulk. The batch is
+    -- split between the heads (each gets at least MIN_SHARE rows), so this reads about a
+    -- batch of rows.
+    SELECT r.subscriber, r.event_id, r.aggregate_type, r.aggregate_id FROM due_heads AS h
     CROSS JOIN LATERAL (
-        SELECT f.subscriber, f.event_id,
+        SELECT f.subscriber, f.event_id, f.aggregate_type, f.aggregate_id,
                bool_and(f.event_id = h.event_id
                         OR (f.dead_at IS NULL AND f.claim_id IS NULL
                             AND (f.next_retry_at IS NULL OR f.next_retry_at <= now())))
@@ -523,12 +525,50 @@ due AS MATERIALIZED (
         FROM {deliveries} AS f
         WHERE f.subscriber = h.subscriber AND f.aggregate_id = h.aggregate_id
           AND f.aggregate_type = h.aggregate_type AND f.event_id >= h.event_id
-        ORDER BY f.event_id
-        LIMIT greatest(1, $1 / (SELECT count(*) FROM due_heads))
+        ORDER BY f.subscriber, f.aggregate_id, f.event_id
+        LIMIT greatest({MIN_SHARE}, $1 / (SELECT count(*) FROM due_heads))
     ) AS r
     WHERE r.ready
     ORDER BY r.event_id
     LIMIT $1
+),
+due_keys AS MATERIALIZED (
+    -- The rows this claim takes of each key: from its head to `last`.
+    SELECT d.subscriber, d.aggregate_type, d.aggregate_id, max(d.event_id) AS last
+    FROM due AS d GROUP BY d.subscriber, d.aggregate_type, d.aggregate_id
+),
+subscribers AS MATERIALIZED (
+    -- The subscribers with deliveries, one index probe each; none when no delivery waits.
+    SELECT s.subscriber FROM (
+        WITH RECURSIVE walk AS (
+            (SELECT d.subscriber FROM {deliveries} AS d ORDER BY d.subscriber LIMIT 1)
+            UNION ALL
+            SELECT (SELECT d.subscriber FROM {deliveries} AS d
+                    WHERE d.subscriber > w.subscriber ORDER BY d.subscriber LIMIT 1)
+            FROM walk AS w WHERE w.subscriber IS NOT NULL
+        )
+        SELECT subscriber FROM walk
+    ) AS s
+    WHERE s.subscriber IS NOT NULL
+),
+blocked AS (
+    -- Per claimable event, the subscribers that hold an earlier event of its aggregate beyond
+    -- the rows this claim takes of their key (those run first, in the subscriber's queue):
+    -- one index probe per (event, subscriber), however many rows wait.
+    SELECT c.id, array_agg(s.subscriber) AS subscribers
+    FROM claimable AS c
+    CROSS JOIN subscribers AS s
+    LEFT JOIN due_keys AS k
+        ON k.subscriber = s.subscriber AND k.aggregate_id = c.aggregate_id
+       AND k.aggregate_type = c.aggregate_type
+    -- (A scalar subquery in the order of `deliveries_head_idx`: a probe of that index, never
+    -- a join over every delivery.)
+    WHERE (SELECT true FROM {deliveries} AS d
+           WHERE d.subscriber = s.subscriber AND d.aggregate_id = c.aggregate_id
+             AND d.aggregate_type = c.aggregate_type AND d.event_id > coalesce(k.last, 0)
+           ORDER BY d.subscriber, d.aggregate_id, d.event_id
+           LIMIT 1)
+    GROUP BY c.id
 ),
 claim AS (
     -- One aggregation step feeds the three arrays each row: they stay in step. The lease
@@ -556,14 +596,7 @@ claimed_events AS (
            NULL::text, b.subscribers
     FROM candidates AS c
     JOIN claimable AS k ON k.id = c.id
-    LEFT JOIN (
-        SELECT d.aggregate_type, d.aggregate_id, array_agg(DISTINCT d.subscriber) AS subscribers
-        FROM {deliveries} AS d
-        WHERE d.aggregate_id = ANY(ARRAY(SELECT c.aggregate_id FROM claimable AS c))
-          -- No lookups at all when no delivery waits anywhere (the common case).
-          AND EXISTS (SELECT 1 FROM {deliveries} AS any_delivery)
-        GROUP BY d.aggregate_type, d.aggregate_id
-    ) AS b ON b.aggregate_id = c.aggregate_id AND b.aggregate_type = c.aggregate_type
+    LEFT JOIN blocked AS b ON b.id = c.id
 )
 SELECT * FROM claimed_events
 UNION ALL
@@ -660,12 +693,14 @@ heads AS MATERIALIZED (
     -- once); the rest of the key waits behind it without a due time.
     SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
            least(
+               -- (Ordered as `deliveries_head_idx`, so that this reads that index.)
                (SELECT h.event_id FROM {deliveries} AS h
                 WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
                   AND h.aggregate_type = k.aggregate_type
-                  AND h.event_id <> ALL(ARRAY(
-                      SELECT g.event_id FROM gone_rows AS g WHERE g.subscriber = k.subscriber))
-                ORDER BY h.event_id LIMIT 1),
+                  AND NOT EXISTS (
+                      SELECT 1 FROM gone_rows AS g
+                      WHERE g.subscriber = h.subscriber AND g.event_id = h.event_id)
+                ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
                (SELECT min(n.event_id) FROM new_rows AS n
                 WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
                   AND n.aggregate_type = k.aggregate_type)) AS event_id
@@ -715,13 +750,18 @@ released_deliveries AS (
 promoted AS (
     -- Rows that this record made the first of their key (the rows before them were
     -- delivered): due now. (Not rows written above: a row is written once per statement.)
+    -- (`= ANY` keeps this a primary-key lookup per head, whatever the plan.)
     UPDATE {deliveries} AS d SET next_retry_at = now()
-    FROM heads AS h
-    WHERE d.subscriber = h.subscriber AND d.event_id = h.event_id
+    FROM (
+        SELECT h.subscriber, h.event_id FROM heads AS h
+        WHERE NOT EXISTS (SELECT 1 FROM new_rows AS n
+                          WHERE n.subscriber = h.subscriber AND n.event_id = h.event_id)
+          AND NOT EXISTS (SELECT 1 FROM released_rows AS r
+                          WHERE r.subscriber = h.subscriber AND r.event_id = h.event_id)
+    ) AS p
+    WHERE d.subscriber = p.subscriber AND d.event_id = p.event_id
+      AND d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
       AND d.next_retry_at IS NULL AND d.dead_at IS NULL
-      AND d.event_id NOT IN (SELECT n.event_id FROM new_rows AS n WHERE n.subscriber = d.subscriber)
-      AND d.event_id NOT IN (SELECT r.event_id FROM released_rows AS r
-                             WHERE r.subscriber = d.subscriber)
 )
 SELECT live FROM live"#
             )),
@@ -807,7 +847,7 @@ promoted AS (
           SELECT h.event_id FROM {deliveries} AS h
           WHERE h.subscriber = g.subscriber AND h.aggregate_id = g.aggregate_id
             AND h.aggregate_type = g.aggregate_type AND h.event_id <> g.event_id
-          ORDER BY h.event_id LIMIT 1)
+          ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1)
 )
 INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason)
 SELECT event_id, subscriber, attempts, last_error, $3 FROM gone"#

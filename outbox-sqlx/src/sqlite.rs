@@ -20,7 +20,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status, subscribers_query,
+    Backend, MIN_SHARE, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status,
+    subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -336,7 +337,7 @@ WITH heads AS MATERIALIZED (
     ORDER BY d.event_id
     LIMIT $2
 ),
-share AS (SELECT max(1, $2 / (SELECT count(*) FROM heads)) AS per_key),
+share AS (SELECT max({MIN_SHARE}, $2 / (SELECT count(*) FROM heads)) AS per_key),
 candidates AS (
     -- Each head with the rows right behind it, at most its share of the batch.
     SELECT f.subscriber, f.event_id,
@@ -377,9 +378,12 @@ UPDATE {outbox} SET claim_id = $2
 WHERE id IN (SELECT value FROM json_each($1))
 RETURNING id, aggregate_type, aggregate_id, event_type, payload, occurred_at, retry_count,
           expired_claims,
+          -- Deliveries of this claim do not hold the event back: they run first, in its
+          -- subscriber's queue (a subscriber with any other row does).
           (SELECT json_group_array(DISTINCT d.subscriber) FROM {deliveries} AS d
            WHERE d.aggregate_id = {outbox}.aggregate_id
-             AND d.aggregate_type = {outbox}.aggregate_type) AS blocked"#
+             AND d.aggregate_type = {outbox}.aggregate_type
+             AND coalesce(d.claim_id, -1) <> $2) AS blocked"#
             )),
             claim_deliveries: sql(format!(
                 r#"
@@ -674,16 +678,7 @@ DELETE FROM {outbox} WHERE id IN (
             .await?;
 
         let mut claims = Vec::with_capacity(claimable.len() + due.len());
-        if !claimable.is_empty() {
-            let event_rows = sqlx::query(queries.claim_events.clone())
-                .bind(json!(claimable).to_string())
-                .bind(token)
-                .fetch_all(&mut *tx)
-                .await?;
-            for row in &event_rows {
-                claims.push(event_claim(row)?);
-            }
-        }
+        // Deliveries first: the events' lookup of what holds them back skips this claim's.
         if !due.is_empty() {
             let keys: Vec<serde_json::Value> = due
                 .iter()
@@ -727,6 +722,17 @@ DELETE FROM {outbox} WHERE id IN (
                 });
             }
         }
+        if !claimable.is_empty() {
+            let event_rows = sqlx::query(queries.claim_events.clone())
+                .bind(json!(claimable).to_string())
+                .bind(token)
+                .fetch_all(&mut *tx)
+                .await?;
+            for row in &event_rows {
+                claims.push(event_claim(row)?);
+            }
+        }
+
         tx.commit().await?;
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(Batch::new(ClaimToken::new(token), claims).with_more(!marks.is_empty()))

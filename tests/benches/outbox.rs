@@ -328,7 +328,9 @@ async fn prefill(pool: &PgPool, events: u64) {
                     'metadata', jsonb_build_object('causation_id', null, 'correlation_id', null))
          FROM generate_series(1, $1) AS g
          JOIN (SELECT id, row_number() OVER () - 1 AS n FROM accounts) AS a
-           ON a.n = g % (SELECT count(*) FROM accounts)",
+           ON a.n = g % (SELECT count(*) FROM accounts)
+         -- In turn over the accounts, as commits of many aggregates interleave.
+         ORDER BY g",
     )
     .bind(i64::try_from(events).unwrap())
     .execute(pool)
@@ -383,7 +385,7 @@ impl<S: Store> Store for Counting<S> {
 /// ours (the relay's own loop, `Relay::run`), the raw loop, and the raw loop with asynchronous
 /// commit (as our relay commits). Returns events per second of each, and our relay's commits
 /// per 100 events.
-async fn drain(events: u64) -> ([f64; 3], f64) {
+async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
     let (_db, outbox, _) = setup(10_000).await;
     let pool = outbox.pool().clone();
     prefill(&pool, events).await;
@@ -399,7 +401,7 @@ async fn drain(events: u64) -> ([f64; 3], f64) {
             Bench {
                 ledger: Ledger(meter.clone()),
             },
-            RelayConfig::default().with_batch_size(500),
+            config,
         )
         .unwrap(),
     );
@@ -855,14 +857,18 @@ async fn main() {
                 let (mut ours, mut raw, mut raw_async, mut ours_commits) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..options.runs {
-                    let ([o, r, a], commits) = drain(options.events).await;
+                    let ([o, r, a], commits) = drain(options.events, options.config()).await;
                     ours.push(o);
                     raw.push(r);
                     raw_async.push(a);
                     ours_commits.push(commits);
                 }
                 report(
-                    &format!("(b) drain {} events", options.events),
+                    &format!(
+                        "(b) drain {} events, batch {}",
+                        options.events,
+                        options.config().batch_size()
+                    ),
                     "events/s",
                     &ours,
                     &raw,

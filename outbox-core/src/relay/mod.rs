@@ -30,7 +30,9 @@ use lease::Lease;
 
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
-use crate::store::{Batch, ClaimToken, Outcomes, Recorded, Status, Store};
+use crate::store::{
+    Batch, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store,
+};
 use crate::telemetry;
 
 /// What one batch did.
@@ -183,6 +185,9 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<(ClaimToken, Outcomes)> = None;
+        // When the earliest retry or parked event this relay recorded is due: an idle relay
+        // looks again then, not only after its poll interval.
+        let mut next_due: Option<Instant> = None;
         loop {
             if (&mut shutdown).now_or_never().is_some() {
                 if let Some((token, outcomes)) = unrecorded.take() {
@@ -196,7 +201,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             let claimed = match unrecorded.take() {
                 None => next.await,
                 Some((token, outcomes)) => {
-                    tokio::join!(self.record_or_log(token, &outcomes), next).1
+                    let claimed = tokio::join!(self.record_or_log(token, &outcomes), next).1;
+                    note_due(&mut next_due, &outcomes);
+                    claimed
                 }
             };
             match claimed {
@@ -212,7 +219,8 @@ impl<S: Store, R: Router> Relay<S, R> {
                     }
                     // Everything was given back: record that, then wait for news.
                     self.record_or_log(token, &outcomes).await;
-                    if self.idle(&mut shutdown).await {
+                    note_due(&mut next_due, &outcomes);
+                    if self.idle(&mut shutdown, &mut next_due).await {
                         return;
                     }
                 }
@@ -221,7 +229,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 Ok(Claimed::Nothing { more }) if more || recording => failures.reset(),
                 Ok(Claimed::Nothing { .. }) => {
                     failures.reset();
-                    if self.idle(&mut shutdown).await {
+                    if self.idle(&mut shutdown, &mut next_due).await {
                         return;
                     }
                 }
@@ -260,14 +268,27 @@ impl<S: Store, R: Router> Relay<S, R> {
         Ok(Claimed::Delivered(token, report, outcomes))
     }
 
-    /// Waits for a commit, the poll interval, or `shutdown`, whichever comes first; true if
-    /// `shutdown` came (it must not be polled again).
-    async fn idle(&self, shutdown: &mut Pin<&mut impl Future<Output = ()>>) -> bool {
+    /// Waits for a commit, the poll interval, `next_due` (which it clears once passed), or
+    /// `shutdown`, whichever comes first; true if `shutdown` came (it must not be polled again).
+    async fn idle(
+        &self,
+        shutdown: &mut Pin<&mut impl Future<Output = ()>>,
+        next_due: &mut Option<Instant>,
+    ) -> bool {
+        let now = Instant::now();
+        let mut until = now + self.config.poll_interval;
+        if let Some(due) = *next_due {
+            if due <= now {
+                *next_due = None;
+                return false;
+            }
+            until = until.min(due);
+        }
         tokio::select! {
             biased;
             () = shutdown.as_mut() => true,
             () = self.store.notified() => false,
-            () = tokio::time::sleep(self.config.poll_interval) => false,
+            () = tokio::time::sleep_until(until) => false,
         }
     }
 
@@ -432,17 +453,45 @@ impl<S: Store, R: Router> Relay<S, R> {
     }
 }
 
+/// Brings `next_due` forward to when the earliest retry or parked event of `outcomes`, just
+/// recorded, is due (counted from after the record, so never before the store's own time).
+fn note_due(next_due: &mut Option<Instant>, outcomes: &Outcomes) {
+    if let Some(due) = earliest_due(outcomes) {
+        let due = Instant::now() + due;
+        *next_due = Some(next_due.map_or(due, |d| d.min(due)));
+    }
+}
+
+/// How soon the earliest retry or parked event of `outcomes` is due.
+fn earliest_due(outcomes: &Outcomes) -> Option<Duration> {
+    let events = outcomes.events.iter().filter_map(|(_, outcome)| match outcome {
+        EventOutcome::Parked { retry_in, .. } => Some(*retry_in),
+        _ => None,
+    });
+    let deliveries = outcomes.deliveries.iter().filter_map(|d| match &d.outcome {
+        DeliveryOutcome::Retry { retry_in, .. } => Some(*retry_in),
+        _ => None,
+    });
+    events.chain(deliveries).min()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::RetryPolicy;
 
     #[test]
-    fn the_defaults_are_valid_and_the_seeds() {
+    fn the_defaults_are_valid_and_the_seeds_but_the_batch() {
         let config = RelayConfig::default();
         config.validate().unwrap();
         assert_eq!(config.poll_interval(), Duration::from_secs(2));
-        assert_eq!(config.batch_size(), 50);
+        assert_eq!(config.batch_size(), 500);
+        assert_eq!(config.concurrency(), 32);
+        assert_eq!(config.retention(), Some(&Retention::default()));
+        assert_eq!(
+            config.retention().unwrap().window(),
+            Duration::from_secs(30 * 24 * 3600)
+        );
         assert_eq!(config.retry(), &RetryPolicy::default());
         assert!(config.handler_timeout() * 2 < config.lease());
     }

@@ -270,7 +270,7 @@ pub(crate) async fn failing_handlers(runs: usize, config: &RelayConfig) {
     println!(
         "(2b) transient failures, retry after 10 ms, 20000 events / 100 aggregates x 3 subscribers"
     );
-    for (i, fail_per_mille) in shares.into_iter().enumerate() {
+    for (i, &fail_per_mille) in shares.iter().enumerate() {
         let rate = median(rates[i].clone());
         println!(
             "    {:>4.1}% failures   {rate:>8.0} events/s   ratio to no failures {:.2}   (runs {:?})",
