@@ -464,10 +464,13 @@ fn note_due(next_due: &mut Option<Instant>, outcomes: &Outcomes) {
 
 /// How soon the earliest retry or parked event of `outcomes` is due.
 fn earliest_due(outcomes: &Outcomes) -> Option<Duration> {
-    let events = outcomes.events.iter().filter_map(|(_, outcome)| match outcome {
-        EventOutcome::Parked { retry_in, .. } => Some(*retry_in),
-        _ => None,
-    });
+    let events = outcomes
+        .events
+        .iter()
+        .filter_map(|(_, outcome)| match outcome {
+            EventOutcome::Parked { retry_in, .. } => Some(*retry_in),
+            _ => None,
+        });
     let deliveries = outcomes.deliveries.iter().filter_map(|d| match &d.outcome {
         DeliveryOutcome::Retry { retry_in, .. } => Some(*retry_in),
         _ => None,
