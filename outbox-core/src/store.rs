@@ -277,6 +277,13 @@ pub struct DeliveryRecord {
     pub outcome: DeliveryOutcome,
 }
 
+impl DeliveryRecord {
+    /// The (subscriber, aggregate type, aggregate id) key that orders the delivery.
+    pub fn key(&self) -> (&str, &str, Uuid) {
+        (&self.subscriber, &self.aggregate_type, self.aggregate_id)
+    }
+}
+
 impl Outcomes {
     /// Whether there is nothing to record.
     pub fn is_empty(&self) -> bool {

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Requeue, Status,
+    Batch, Claim, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Recorded,
+    Requeue, Status,
 };
 use std::sync::Weak;
 
@@ -1066,13 +1067,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             outcomes
                 .deliveries
                 .iter()
-                .map(|d| {
-                    (
-                        d.subscriber.as_str(),
-                        d.aggregate_type.as_str(),
-                        d.aggregate_id,
-                    )
-                })
+                .map(DeliveryRecord::key)
                 .collect();
         sqlx::query(queries.lock_keys.clone())
             .bind(subscribers)
@@ -1319,7 +1314,7 @@ struct Upserts<'a> {
 impl<'a> Upserts<'a> {
     fn push(
         &mut self,
-        record: &'a outbox_core::store::DeliveryRecord,
+        record: &'a DeliveryRecord,
         attempts: u32,
         error: Option<&'a String>,
         delay: Option<Duration>,
@@ -1480,7 +1475,6 @@ mod tests {
 
     use super::*;
     use crate::Outbox;
-    use outbox_core::store::DeliveryRecord;
 
     /// A fresh database with the outbox tables in their default names.
     async fn migrated() -> TestDb {

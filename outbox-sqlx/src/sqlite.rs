@@ -11,7 +11,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Requeue, Status,
+    Batch, Claim, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Recorded,
+    Requeue, Status,
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
@@ -873,13 +874,7 @@ DELETE FROM {outbox} WHERE id IN (
         let keys: BTreeSet<(&str, &str, Uuid)> = outcomes
             .deliveries
             .iter()
-            .map(|d| {
-                (
-                    d.subscriber.as_str(),
-                    d.aggregate_type.as_str(),
-                    d.aggregate_id,
-                )
-            })
+            .map(DeliveryRecord::key)
             .collect();
         for (subscriber, aggregate_type, aggregate_id) in keys {
             sqlx::query(queries.promote_head.clone())
