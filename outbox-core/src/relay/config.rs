@@ -67,7 +67,7 @@ impl RelayConfig {
     /// A claim takes what is there up to this many, so a large batch costs nothing when little
     /// waits; it pays when a backlog builds: one claim and one record per batch, and more
     /// (subscriber, aggregate) keys whose handlers can run at once. The seed's 50 drains a backlog
-    /// at about half the rate of 500 on PostgreSQL (see the README's benchmark).
+    /// at about a third of the rate of 500 on PostgreSQL (see the README's benchmark).
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;

@@ -2,7 +2,8 @@
 //! [`Router`] names, and records what happened.
 //!
 //! - `config.rs`: [`RelayConfig`] and [`Retention`], and their validation.
-//! - this file: the run loop, its chores (status, retention), claiming and recording.
+//! - this file: the run loop, its chores (status, retention) beside it on their own schedule,
+//!   claiming and recording.
 //! - `lease.rs`: the claim of the batch in progress, renewed while its handlers run.
 //! - `plan.rs`: a batch's claims planned (a pure function): what needs no handler is decided,
 //!   the handler calls are queued per (subscriber, aggregate) key.
@@ -15,6 +16,7 @@ mod config;
 mod lease;
 mod plan;
 
+use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Mutex, PoisonError};
@@ -180,7 +182,36 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Store errors never end the loop. A broken connection is replaced and the work retried at
     /// once; a store that stays unreachable is retried with exponential backoff (with jitter, up
     /// to [`RelayConfig::with_max_error_backoff`]).
+    ///
+    /// The chores (the status gauges, retention) run beside the deliveries on their own
+    /// schedule: a slow or stuck purge never delays a batch, nor the return after `shutdown`.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let deliveries = std::pin::pin!(self.deliver_until(shutdown));
+        let chores = std::pin::pin!(self.chores());
+        tokio::select! {
+            biased;
+            () = deliveries => {}
+            never = chores => match never {},
+        }
+    }
+
+    /// Does the chores when they are due, for ever.
+    async fn chores(&self) -> Infallible {
+        loop {
+            self.do_chores().await;
+            let next = {
+                let chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
+                match self.config.retention {
+                    Some(_) => chores.next_status.min(chores.next_purge),
+                    None => chores.next_status,
+                }
+            };
+            tokio::time::sleep_until(next).await;
+        }
+    }
+
+    /// The delivery loop of [`run`](Self::run).
+    async fn deliver_until(&self, shutdown: impl Future<Output = ()>) {
         let mut shutdown = std::pin::pin!(shutdown);
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
@@ -195,7 +226,6 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 return;
             }
-            self.do_chores().await;
             let recording = unrecorded.is_some();
             let next = self.claim_and_deliver();
             let claimed = match unrecorded.take() {
@@ -327,7 +357,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 .purge_published(retention.keep, retention.batch_size)
                 .await
             {
-                // A full batch: there may be more; go on after the next batch of deliveries.
+                // A full batch: there may be more; go on at once.
                 Ok(deleted) if deleted >= u64::from(retention.batch_size) => {
                     self.chores
                         .lock()
