@@ -102,6 +102,29 @@ impl Chores {
     }
 }
 
+/// The chores a `do_chores` in progress has not finished: dropped before they are, they are made
+/// due again.
+struct Unfinished<'a> {
+    chores: &'a Mutex<Chores>,
+    status: bool,
+    purge: bool,
+}
+
+impl Drop for Unfinished<'_> {
+    fn drop(&mut self) {
+        if self.status || self.purge {
+            let now = Instant::now();
+            let mut chores = self.chores.lock().unwrap_or_else(PoisonError::into_inner);
+            if self.status {
+                chores.next_status = now;
+            }
+            if self.purge {
+                chores.next_purge = now;
+            }
+        }
+    }
+}
+
 /// How many broken connections in a row are retried at once. Each broken connection is
 /// dropped from its pool, so a pool whose idle connections were all ended (a database
 /// restarting its sessions, a proxy dropping them) is worked through at once, not over an
@@ -348,9 +371,17 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             (status_due, purge)
         };
+        // A chore cut short (the relay stopped meanwhile) is due again at once, for the next
+        // `run`.
+        let mut unfinished = Unfinished {
+            chores: &self.chores,
+            status: status_due,
+            purge: purge.is_some(),
+        };
         if status_due && let Err(error) = self.report_status().await {
             tracing::warn!(%error, "outbox relay cannot read the store's status");
         }
+        unfinished.status = false;
         if let Some(retention) = purge {
             match self
                 .store
@@ -374,6 +405,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
             }
         }
+        unfinished.purge = false;
     }
 
     /// Claims one batch, delivers it, and records the outcomes.
