@@ -604,6 +604,10 @@ mod tests {
                 "invalid batch size: 10001 is outside 1..=10000",
             ),
             (
+                RelayConfig::default().with_concurrency(0),
+                "invalid concurrency: 0 is outside 1..=10000",
+            ),
+            (
                 RelayConfig::default().with_poll_interval(Duration::ZERO),
                 "invalid poll interval: must be greater than zero",
             ),
