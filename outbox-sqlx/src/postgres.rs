@@ -1058,24 +1058,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
                 }
             }
         }
-        // Records that write deliveries of the same key take turns, each statement reading
-        // after the previous record committed: the first row of a key is always due (see
-        // `heads` in `record`), also when one record delivers the first row while another
-        // writes a row behind it.
-        let mut tx = pool.begin_with(queries.record_begin.clone()).await?;
-        let (subscribers, aggregate_types, aggregate_ids): (Vec<&str>, Vec<&str>, Vec<Uuid>) =
-            outcomes
-                .deliveries
-                .iter()
-                .map(DeliveryRecord::key)
-                .collect();
-        sqlx::query(queries.lock_keys.clone())
-            .bind(subscribers)
-            .bind(aggregate_types)
-            .bind(aggregate_ids)
-            .execute(&mut *tx)
-            .await?;
-        let live: bool = sqlx::query_scalar(queries.record.clone())
+        let record = sqlx::query_scalar(queries.record.clone())
             .bind(token.get())
             .bind(published)
             .bind(parked_ids)
@@ -1094,9 +1077,28 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .bind(up.delays)
             .bind(up.dead)
             .bind(rel_subscribers)
-            .bind(rel_ids)
-            .fetch_one(&mut *tx)
+            .bind(rel_ids);
+        if outcomes.deliveries.is_empty() {
+            return Ok(recorded(record.fetch_one(pool).await?));
+        }
+        // Records that write deliveries of the same key take turns, each statement reading
+        // after the previous record committed: the first row of a key is always due (see
+        // `heads` in `record`), also when one record delivers the first row while another
+        // writes a row behind it.
+        let mut tx = pool.begin_with(queries.record_begin.clone()).await?;
+        let (subscribers, aggregate_types, aggregate_ids): (Vec<&str>, Vec<&str>, Vec<Uuid>) =
+            outcomes
+                .deliveries
+                .iter()
+                .map(DeliveryRecord::key)
+                .collect();
+        sqlx::query(queries.lock_keys.clone())
+            .bind(subscribers)
+            .bind(aggregate_types)
+            .bind(aggregate_ids)
+            .execute(&mut *tx)
             .await?;
+        let live: bool = record.fetch_one(&mut *tx).await?;
         tx.commit().await?;
         Ok(recorded(live))
     }

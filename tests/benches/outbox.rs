@@ -470,6 +470,16 @@ async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
 
 /// One cycle of the raw drain: claim 500 with `SKIP LOCKED`, mark them published, commit.
 async fn raw_batch(pool: &PgPool, asynchronous: bool) -> u64 {
+    raw_cycle(pool, asynchronous, async |_| {}).await
+}
+
+/// One raw cycle: claim 500 with `SKIP LOCKED`, hand them to `work`, mark them published,
+/// commit; returns how many it claimed.
+async fn raw_cycle(
+    pool: &PgPool,
+    asynchronous: bool,
+    work: impl AsyncFnOnce(&[(i64, String)]),
+) -> u64 {
     let mut tx = pool.begin().await.unwrap();
     if asynchronous {
         sqlx::query("SET LOCAL synchronous_commit = off")
@@ -484,6 +494,7 @@ async fn raw_batch(pool: &PgPool, asynchronous: bool) -> u64 {
     .fetch_all(&mut *tx)
     .await
     .unwrap();
+    work(&rows).await;
     let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
     sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
         .bind(&ids)

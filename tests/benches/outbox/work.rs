@@ -12,7 +12,7 @@ use outbox_core::{
 };
 use sqlx::PgPool;
 
-use super::{Deposited, median, prefill, setup};
+use super::{Deposited, median, prefill, raw_cycle, setup};
 
 /// What each handler does: fail with a given chance, wait, insert an audit row.
 #[derive(Clone, Default)]
@@ -221,30 +221,17 @@ async fn raw_writes(events: u64, concurrency: usize) -> f64 {
     let start = Instant::now();
     let mut done = 0;
     while done < events {
-        let mut tx = pool.begin().await.unwrap();
-        let rows: Vec<(i64, String)> = sqlx::query_as(
-            "SELECT id, payload::text FROM events.outbox
-             WHERE published_at IS NULL ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED",
-        )
-        .fetch_all(&mut *tx)
-        .await
-        .unwrap();
         let pool = &pool;
-        futures_util::stream::iter(&rows)
-            .for_each_concurrent(concurrency, |(id, payload)| async move {
-                let event: serde_json::Value = serde_json::from_str(payload).unwrap();
-                let seq = event["data"]["seq"].as_u64().unwrap();
-                insert_audit(pool, *id, seq).await.unwrap();
-            })
-            .await;
-        let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
-        sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-        done += rows.len() as u64;
+        done += raw_cycle(pool, false, async |rows| {
+            futures_util::stream::iter(rows)
+                .for_each_concurrent(concurrency, |(id, payload)| async move {
+                    let event: serde_json::Value = serde_json::from_str(payload).unwrap();
+                    let seq = event["data"]["seq"].as_u64().unwrap();
+                    insert_audit(pool, *id, seq).await.unwrap();
+                })
+                .await;
+        })
+        .await;
     }
     events as f64 / start.elapsed().as_secs_f64()
 }
