@@ -340,6 +340,30 @@ impl Status {
     }
 }
 
+/// What one [`Store::purge_published`] call did.
+///
+/// ```
+/// use outbox_core::store::Purged;
+///
+/// let purged = Purged::new(3, false);
+/// assert_eq!((purged.deleted, purged.more), (3, false));
+/// ```
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Purged {
+    /// Events deleted.
+    pub deleted: u64,
+    /// Old events are left to look at: the call stopped at its limit.
+    pub more: bool,
+}
+
+impl Purged {
+    /// `deleted` events went; `more` when old events are left to look at.
+    pub fn new(deleted: u64, more: bool) -> Self {
+        Self { deleted, more }
+    }
+}
+
 /// The relay's view of a database: claim work, renew and record claims, requeue dead letters.
 ///
 /// Implemented by the PostgreSQL and SQLite stores of `outbox-sqlx` and by the test kit's
@@ -386,14 +410,18 @@ pub trait Store: Send + Sync + 'static {
     /// Counts what is not done.
     fn status(&self) -> impl Future<Output = Result<Status, StoreError>> + Send;
 
-    /// Deletes at most `limit` events published more than `older_than` ago, oldest first, and
-    /// returns how many went. Never deletes a dead letter, an event not yet published, or one
-    /// some subscriber has not received yet.
+    /// Looks at up to `limit` of the events published more than `older_than` ago, oldest first,
+    /// and deletes those no subscriber still needs. Never deletes a dead letter, an event not
+    /// yet published, or one some subscriber has not received yet.
+    ///
+    /// Each call reads about `limit` events, not the whole retained table: a store may go on
+    /// where its previous call stopped, past events it had to keep. [`Purged::more`] says
+    /// whether old events are left to look at (call again at once).
     fn purge_published(
         &self,
         older_than: Duration,
         limit: u32,
-    ) -> impl Future<Output = Result<u64, StoreError>> + Send;
+    ) -> impl Future<Output = Result<Purged, StoreError>> + Send;
 
     /// Resolves when new work may have arrived, such as after a commit in this process. The relay
     /// also polls, so a store without such a signal may never resolve.

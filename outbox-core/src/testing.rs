@@ -77,8 +77,8 @@ use crate::publish::Publish;
 use crate::relay::{BatchReport, Relay};
 use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
 use crate::store::{
-    self, Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Requeue, Status,
-    Store, StoredEvent,
+    self, Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Purged, Requeue,
+    Status, Store, StoredEvent,
 };
 
 /// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
@@ -871,12 +871,16 @@ impl Store for MemoryStore {
         Ok(status)
     }
 
-    async fn purge_published(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+    async fn purge_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<Purged, StoreError> {
         let Some(before) = time::Duration::try_from(older_than)
             .ok()
             .and_then(|window| self.clock.now().checked_sub(window))
         else {
-            return Ok(0);
+            return Ok(Purged::default());
         };
         let mut state = lock(&self.state);
         let state = &mut *state;
@@ -893,7 +897,11 @@ impl Store for MemoryStore {
         for id in &doomed {
             state.events.remove(id);
         }
-        Ok(doomed.len() as u64)
+        // Everything was looked at; a full batch may have left more.
+        Ok(Purged::new(
+            doomed.len() as u64,
+            doomed.len() as u64 >= u64::from(limit),
+        ))
     }
 
     async fn notified(&self) {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use outbox_core::store::{Batch, Outcomes, Recorded, Requeue, Status};
+use outbox_core::store::{Batch, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::testing::MemoryStore;
 use outbox_core::{
     ClaimToken, Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Store, StoreError,
@@ -63,7 +63,7 @@ impl Store for HangingPurge {
         self.inner.status().await
     }
 
-    async fn purge_published(&self, _: Duration, _: u32) -> Result<u64, StoreError> {
+    async fn purge_published(&self, _: Duration, _: u32) -> Result<Purged, StoreError> {
         self.purging.store(true, Ordering::Relaxed);
         std::future::pending().await
     }

@@ -67,14 +67,16 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         outcomes: &Outcomes,
     ) -> impl Future<Output = Result<Recorded, sqlx::Error>> + Send;
 
-    /// Deletes one batch of old published events.
+    /// Looks at the next `batch_size` old published events after `after`, in the order they
+    /// were published, and deletes those no delivery holds.
     #[doc(hidden)]
     fn purge_published(
         pool: &Pool<Self>,
         queries: &Self::Queries,
         older_than: Duration,
         batch_size: u32,
-    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+        after: Option<PurgedUpTo>,
+    ) -> impl Future<Output = Result<PurgeStep, sqlx::Error>> + Send;
 
     #[doc(hidden)]
     fn dead_letters(
@@ -195,4 +197,24 @@ pub(crate) fn row_count(n: i64) -> u64 {
 
 pub(crate) mod sealed {
     pub trait Sealed {}
+}
+
+/// Where a purge stopped: the last old published event it looked at, by (`published_at` in
+/// microseconds since the epoch, id), the order in which purges go through them.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgedUpTo {
+    pub published_at: i64,
+    pub id: i64,
+}
+
+/// What one purge statement did.
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PurgeStep {
+    /// Events deleted.
+    pub deleted: u64,
+    /// Where to go on from, when the statement looked at a full batch; `None` when it reached
+    /// the events too young to go.
+    pub next: Option<PurgedUpTo>,
 }

@@ -74,6 +74,8 @@ mod tx;
 mod wake;
 
 pub use backend::{Backend, SubscriberStatus};
+#[doc(hidden)]
+pub use backend::{PurgeStep, PurgedUpTo};
 pub use error::Error;
 pub use names::TableNames;
 pub use outbox::{DeadLetter, Outbox, SqlStore};

@@ -28,8 +28,9 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 12] = [
+const INDEXES: [&str; 13] = [
     "pending_idx",
+    "published_idx",
     "aggregate_idx",
     "stalled_idx",
     "parked_idx",

@@ -1,14 +1,14 @@
 //! The outbox handle: migrations, transactions, and the store the relay reads.
 
 use std::marker::PhantomData;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
-use crate::backend::{Backend, SubscriberStatus};
+use crate::backend::{Backend, PurgedUpTo, SubscriberStatus};
 use crate::error::Error;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
-use outbox_core::store::{Batch, ClaimToken, Outcomes, Recorded, Requeue, Status};
+use outbox_core::store::{Batch, ClaimToken, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
 use sqlx::{Pool, Transaction};
 
@@ -55,6 +55,9 @@ struct Inner<DB: Backend> {
     /// Wakes relays after a commit that published events: at once in this process, by a
     /// coalesced NOTIFY in others.
     wakeups: Wakeups,
+    /// Where the relays' purges go on from: past old events that deliveries still hold, so
+    /// that each purge reads a batch, not those again. `None`: from the oldest.
+    purged_up_to: Mutex<Option<PurgedUpTo>>,
 }
 
 impl<DB: Backend, R> Clone for Outbox<DB, R> {
@@ -86,6 +89,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
             inner: Arc::new(Inner {
                 queries: DB::queries(&names),
                 wakeups: Wakeups::new(&names),
+                purged_up_to: Mutex::new(None),
                 pool,
                 names,
             }),
@@ -163,13 +167,15 @@ impl<DB: Backend, R> Outbox<DB, R> {
             }
             .into());
         }
-        let mut total = 0;
+        let (mut total, mut after) = (0, None);
         loop {
-            let deleted =
-                DB::purge_published(self.pool(), self.queries(), older_than, batch_size).await?;
-            total += deleted;
-            if deleted < u64::from(batch_size) {
-                return Ok(total);
+            let step =
+                DB::purge_published(self.pool(), self.queries(), older_than, batch_size, after)
+                    .await?;
+            total += step.deleted;
+            match step.next {
+                Some(next) => after = Some(next),
+                None => return Ok(total),
             }
         }
     }
@@ -376,10 +382,21 @@ impl<DB: Backend> Store for SqlStore<DB> {
         &self,
         older_than: std::time::Duration,
         limit: u32,
-    ) -> Result<u64, StoreError> {
-        DB::purge_published(&self.inner.pool, &self.inner.queries, older_than, limit)
-            .await
-            .map_err(store_error)
+    ) -> Result<Purged, StoreError> {
+        let after = *lock(&self.inner.purged_up_to);
+        let step = DB::purge_published(
+            &self.inner.pool,
+            &self.inner.queries,
+            older_than,
+            limit,
+            after,
+        )
+        .await
+        .map_err(store_error)?;
+        // Purges running at once may set this in either order: at worst a batch is looked at
+        // twice; the next round, from the oldest, finds whatever one of them passed.
+        *lock(&self.inner.purged_up_to) = step.next;
+        Ok(Purged::new(step.deleted, step.next.is_some()))
     }
 
     async fn notified(&self) {
@@ -406,4 +423,8 @@ pub struct DeadLetter {
     pub attempts: u32,
     /// Why.
     pub last_error: Option<String>,
+}
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    mutex.lock().unwrap_or_else(PoisonError::into_inner)
 }

@@ -10,14 +10,14 @@ use outbox_core::store::{
 use std::sync::Weak;
 
 use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, Executor, PgConnection, PgPool, Postgres, Row, SqlStr};
+use sqlx::{AssertSqlSafe, Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status,
-    subscribers_query,
+    Backend, MIN_SHARE, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus, row_count, sealed,
+    subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -208,6 +208,15 @@ WHERE d.dead_at IS NULL AND d.claim_id IS NULL
       SELECT 1 FROM {deliveries} AS h
       WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
         AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id);
+"#,
+    ),
+    (
+        7,
+        "retention reads old published events by when they were published",
+        r#"
+-- Purges go through old published events in this order, from where the last one stopped:
+-- each reads a batch, whatever else the table keeps.
+CREATE INDEX {published_idx} ON {outbox} (published_at, id) WHERE published_at IS NOT NULL;
 "#,
     ),
 ];
@@ -789,15 +798,38 @@ SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM deliveries)"#
             )),
             purge_published: sql(format!(
                 r#"
-WITH doomed AS (
-    SELECT id FROM {outbox} AS o
-    WHERE published_at < now() - $1 * interval '1 second'
-      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d WHERE d.event_id = o.id)
-    ORDER BY id
+WITH examined AS MATERIALIZED (
+    -- The next batch of old published events, after where the last purge stopped ($3, $4:
+    -- published_at in microseconds since the epoch, and id; NULL: from the oldest).
+    SELECT o.id, o.published_at FROM {outbox} AS o
+    WHERE o.published_at IS NOT NULL
+      AND o.published_at < now() - $1 * interval '1 second'
+      AND (o.published_at, o.id) > (
+          CASE WHEN $3::int8 IS NULL THEN '-infinity'::timestamptz
+               ELSE timestamptz 'epoch' + $3::int8 * interval '1 microsecond' END,
+          coalesce($4::int8, 0))
+    ORDER BY o.published_at, o.id
     LIMIT $2
+),
+doomed AS (
+    -- Those no delivery holds (a subscriber has yet to receive them). (A scalar subquery: a
+    -- probe of the deliveries' event index per event, never a join over every delivery.)
+    SELECT o.id FROM {outbox} AS o
+    WHERE o.id = ANY(ARRAY(SELECT e.id FROM examined AS e))
+      AND (SELECT true FROM {deliveries} AS d WHERE d.event_id = o.id LIMIT 1) IS NULL
     FOR UPDATE SKIP LOCKED
+),
+deleted AS (
+    DELETE FROM {outbox} WHERE id IN (SELECT id FROM doomed) RETURNING 1
+),
+last AS (
+    SELECT e.published_at, e.id FROM examined AS e
+    WHERE (SELECT count(*) FROM examined) = $2
+    ORDER BY e.published_at DESC, e.id DESC LIMIT 1
 )
-DELETE FROM {outbox} WHERE id IN (SELECT id FROM doomed)"#
+SELECT (SELECT count(*) FROM deleted),
+       (SELECT (extract(epoch FROM l.published_at) * 1000000)::int8 FROM last AS l),
+       (SELECT l.id FROM last AS l)"#
             )),
             dead_letters: sql(format!(
                 r#"
@@ -813,23 +845,33 @@ ORDER BY event_id, subscriber"#
             )),
             status: sql(format!(
                 r#"
-SELECT p.events, p.oldest,
+-- Each count reads its own partial index (the conditions are those of the indexes): the
+-- published events a table keeps for retention are never read.
+WITH pending AS MATERIALIZED (
+    -- Pending events nothing holds (`pending_idx`).
+    SELECT count(*) AS events, min(occurred_at) AS oldest FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+      AND held_by IS NULL AND held_behind IS NULL
+),
+stalled AS MATERIALIZED (
+    -- Dead, parked and held events (`stalled_idx`).
+    SELECT aggregate_type, aggregate_id, dead_at, occurred_at FROM {outbox}
+    WHERE published_at IS NULL
+      AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+           OR held_by IS NOT NULL OR held_behind IS NOT NULL)
+)
+SELECT p.events + (SELECT count(*) FROM stalled WHERE dead_at IS NULL),
+       extract(epoch FROM now() - least(
+           p.oldest, (SELECT min(occurred_at) FROM stalled WHERE dead_at IS NULL)))::float8,
        (SELECT count(*) FROM {deliveries} WHERE dead_at IS NULL),
-       -- Dead events are never published: the partial index `stalled_idx` holds them.
-       (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NOT NULL)
+       (SELECT count(*) FROM stalled WHERE dead_at IS NOT NULL)
          + (SELECT count(*) FROM {deliveries} WHERE dead_at IS NOT NULL),
        (SELECT count(*) FROM (
             SELECT DISTINCT subscriber, aggregate_type, aggregate_id FROM {deliveries}) AS k),
-       (SELECT count(*) FROM (
-            SELECT DISTINCT aggregate_type, aggregate_id FROM {outbox}
-            WHERE published_at IS NULL
-              AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
-                   OR held_by IS NOT NULL OR held_behind IS NOT NULL)) AS k),
+       (SELECT count(*) FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM stalled) AS k),
        (SELECT count(*) FROM {outbox} WHERE held_by IS NOT NULL)
          + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL)
-FROM (SELECT count(*) AS events,
-             extract(epoch FROM now() - min(occurred_at))::float8 AS oldest
-      FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL) AS p"#
+FROM pending AS p"#
             )),
             subscribers: sql(subscribers_query(&deliveries)),
             skip_delivery: sql(format!(
@@ -1108,13 +1150,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         older_than: Duration,
         batch_size: u32,
-    ) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(queries.purge_published.clone())
-            .bind(older_than.as_secs_f64())
-            .bind(i64::from(batch_size))
-            .execute(pool)
-            .await?
-            .rows_affected())
+        after: Option<PurgedUpTo>,
+    ) -> Result<PurgeStep, sqlx::Error> {
+        purge_step(pool, queries, older_than, i64::from(batch_size), after).await
     }
 
     async fn dead_letters(
@@ -1140,21 +1178,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
     }
 
     async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
-        type Row = (i64, Option<f64>, i64, i64, i64, i64, i64);
-        let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
-            sqlx::query_as(queries.status.clone())
-                .fetch_one(pool)
-                .await?;
-        let mut status = Status::default();
-        status.blocked_aggregates = row_count(aggregates);
-        status.held_events = row_count(held);
-        status.pending_events = row_count(events);
-        status.oldest_pending_age =
-            oldest.map(|age| Duration::try_from_secs_f64(age).unwrap_or_default());
-        status.pending_deliveries = row_count(deliveries);
-        status.dead_letters = row_count(dead);
-        status.blocked_keys = row_count(blocked);
-        Ok(status)
+        status_in(pool, queries).await
     }
 
     async fn subscribers(
@@ -1332,6 +1356,52 @@ impl<'a> Upserts<'a> {
         self.delays.push(delay.map(|d| d.as_secs_f64()));
         self.dead.push(dead);
     }
+}
+
+/// The status, read on `executor`.
+async fn status_in<'c>(
+    executor: impl PgExecutor<'c>,
+    queries: &PgQueries,
+) -> Result<Status, sqlx::Error> {
+    type Row = (i64, Option<f64>, i64, i64, i64, i64, i64);
+    let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
+        sqlx::query_as(queries.status.clone())
+            .fetch_one(executor)
+            .await?;
+    let mut status = Status::default();
+    status.blocked_aggregates = row_count(aggregates);
+    status.held_events = row_count(held);
+    status.pending_events = row_count(events);
+    status.oldest_pending_age =
+        oldest.map(|age| Duration::try_from_secs_f64(age).unwrap_or_default());
+    status.pending_deliveries = row_count(deliveries);
+    status.dead_letters = row_count(dead);
+    status.blocked_keys = row_count(blocked);
+    Ok(status)
+}
+
+/// One purge statement on `executor`: see [`Backend::purge_published`].
+async fn purge_step<'c>(
+    executor: impl PgExecutor<'c>,
+    queries: &PgQueries,
+    older_than: Duration,
+    batch_size: i64,
+    after: Option<PurgedUpTo>,
+) -> Result<PurgeStep, sqlx::Error> {
+    let (deleted, published_at, id): (i64, Option<i64>, Option<i64>) =
+        sqlx::query_as(queries.purge_published.clone())
+            .bind(older_than.as_secs_f64())
+            .bind(batch_size)
+            .bind(after.map(|a| a.published_at))
+            .bind(after.map(|a| a.id))
+            .fetch_one(executor)
+            .await?;
+    Ok(PurgeStep {
+        deleted: u64::try_from(deleted).unwrap_or(0),
+        next: published_at
+            .zip(id)
+            .map(|(published_at, id)| PurgedUpTo { published_at, id }),
+    })
 }
 
 /// Applies the migrations up to version `last` (all of them, but in tests of an upgrade).
@@ -1979,13 +2049,16 @@ mod tests {
 
         let queries = Postgres::queries(&TableNames::default());
         let mut tx = db.pool.begin().await.unwrap();
-        let purged = sqlx::query(queries.purge_published.clone())
-            .bind(86_400.0_f64)
-            .bind(PURGED + 1)
-            .execute(&mut *tx)
-            .await
-            .unwrap()
-            .rows_affected();
+        let purged = purge_step(
+            &mut *tx,
+            &queries,
+            Duration::from_secs(86_400),
+            PURGED + 1,
+            None,
+        )
+        .await
+        .unwrap()
+        .deleted;
         // This transaction's reads of the deliveries: sequential, and through each index.
         let read: i64 = sqlx::query_scalar(
             "SELECT (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables
@@ -2002,6 +2075,130 @@ mod tests {
         assert!(
             read <= 2 * (DELIVERIES + PURGED),
             "purging {PURGED} events read {read} delivery rows of {DELIVERIES}"
+        );
+    }
+
+    /// Rows of the outbox and of the deliveries read on `tx`, through any index or
+    /// sequentially, as the server counts them: since its counts were last flushed, which may
+    /// be before this transaction began (so take differences).
+    async fn rows_read_in(tx: &mut PgConnection) -> (i64, i64) {
+        sqlx::query_as(
+            "SELECT (SELECT coalesce(sum(seq_tup_read), 0)::int8 FROM pg_stat_xact_user_tables
+                     WHERE relid = r.relid)
+                  + (SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8
+                     FROM pg_index WHERE indrelid = r.relid)
+             FROM unnest(ARRAY['events.outbox'::regclass, 'events.outbox_deliveries'::regclass])
+                  WITH ORDINALITY AS r(relid, n)
+             ORDER BY r.n",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .map(|rows: Vec<(i64,)>| (rows[0].0, rows[1].0))
+        .unwrap()
+    }
+
+    /// Retention and status read what they act on, not the retained table: with 100 000
+    /// events published recently (kept), 100 000 old ones that a blocked subscriber's waiting
+    /// deliveries still hold (kept), 10 000 dead events and 1 000 old events free to go, each
+    /// purge statement reads at most a few rows per row of its batch, the purges go through
+    /// the held events once and delete exactly the free ones, and the status reads none of
+    /// the published events.
+    #[tokio::test]
+    async fn purge_and_status_read_what_they_act_on_not_the_retained_table() {
+        const BATCH: i64 = 500;
+        const YOUNG: i64 = 100_000;
+        const HELD: i64 = 100_000;
+        const KEYS: i64 = 1_000;
+        const DEAD: i64 = 10_000;
+        const FREE: i64 = 1_000;
+        const PENDING: i64 = 100;
+        let db = migrated().await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "-- Old events, held and free interleaved, then young ones, dead ones, pending ones.
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', md5((g % {KEYS})::text)::uuid, 'E', '{{}}',
+                    now() - interval '2 days' + g * interval '1 millisecond'
+             FROM generate_series(1, {HELD} + {FREE}) AS g;
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, attempts, next_retry_at,
+                  dead_at)
+             SELECT id, 'down', 'a', aggregate_id, 0,
+                    CASE WHEN first THEN now() END, CASE WHEN first THEN now() END
+             FROM (SELECT id, aggregate_id,
+                          row_number() OVER (PARTITION BY aggregate_id ORDER BY id) = 1 AS first
+                   FROM events.outbox WHERE id % ({HELD} / {FREE} + 1) <> 0) AS o;
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, {YOUNG});
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, dead_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, {DEAD});
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, {PENDING});
+             ANALYZE events.outbox;
+             ANALYZE events.outbox_deliveries;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let held: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox_deliveries")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(held, HELD, "the set-up holds {HELD} old events");
+
+        let queries = Postgres::queries(&TableNames::default());
+        let (mut deleted, mut statements, mut after) = (0, 0, None);
+        loop {
+            let mut tx = db.pool.begin().await.unwrap();
+            let before = rows_read_in(&mut tx).await;
+            let step = purge_step(
+                &mut *tx,
+                &queries,
+                Duration::from_secs(86_400),
+                BATCH,
+                after,
+            )
+            .await
+            .unwrap();
+            let read = rows_read_in(&mut tx).await;
+            let (outbox, deliveries) = (read.0 - before.0, read.1 - before.1);
+            tx.commit().await.unwrap();
+            statements += 1;
+            assert!(
+                outbox <= 4 * BATCH && deliveries <= 4 * BATCH,
+                "purge statement {statements} read {outbox} rows of the outbox and \
+                 {deliveries} deliveries for a batch of {BATCH}"
+            );
+            deleted += step.deleted;
+            match step.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(deleted, FREE as u64, "exactly the free old events went");
+        assert!(
+            statements <= (HELD + FREE) / BATCH + 2,
+            "{statements} purge statements went through {} old events",
+            HELD + FREE
+        );
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, HELD + YOUNG + DEAD + PENDING, "the rest is kept");
+
+        let mut tx = db.pool.begin().await.unwrap();
+        let (before, _) = rows_read_in(&mut tx).await;
+        let status = status_in(&mut *tx, &queries).await.unwrap();
+        let outbox = rows_read_in(&mut tx).await.0 - before;
+        tx.rollback().await.unwrap();
+        assert_eq!(status.pending_events, PENDING as u64);
+        assert_eq!(status.dead_letters, (DEAD + KEYS) as u64);
+        assert!(
+            outbox <= 2 * (PENDING + DEAD) + 100,
+            "the status read {outbox} rows of the outbox, which holds {PENDING} pending and \
+             {DEAD} dead events"
         );
     }
 }

@@ -21,8 +21,8 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, NewEvent, SubscriberStatus, row_count, sealed, subscriber_status,
-    subscribers_query,
+    Backend, MIN_SHARE, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus, row_count, sealed,
+    subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -177,6 +177,15 @@ CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
 CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
 "#,
     ),
+    (
+        6,
+        "retention reads old published events by when they were published",
+        r#"
+-- Purges go through old published events in this order, from where the last one stopped:
+-- each reads a batch, whatever else the table keeps.
+CREATE INDEX {published_idx} ON {outbox} (published_at, id) WHERE published_at IS NOT NULL;
+"#,
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -213,7 +222,10 @@ pub struct SqliteQueries {
     requeue_events: SqlStr,
     requeue_event_deliveries: SqlStr,
     requeue_subscriber: SqlStr,
-    purge_published: SqlStr,
+    /// The next batch of old published events after where the last purge stopped (published
+    /// time, then id), and whether a delivery still holds each.
+    purge_examined: SqlStr,
+    purge: SqlStr,
     status: SqlStr,
     subscribers: SqlStr,
     dead_letters: SqlStr,
@@ -335,7 +347,9 @@ WITH heads AS MATERIALIZED (
           SELECT 1 FROM {deliveries} AS h
           WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
             AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
-    ORDER BY d.event_id
+    -- Longest due first, as the due index reads them: ordered by event id, the plan read
+    -- every delivery (through the event index) to find the due ones.
+    ORDER BY d.next_retry_at
     LIMIT $2
 ),
 share AS (SELECT max({MIN_SHARE}, $2 / (SELECT count(*) FROM heads)) AS per_key),
@@ -511,14 +525,18 @@ RETURNING retry_count AS attempts, last_error"#
                 "INSERT INTO {skips} (event_id, subscriber, attempts, last_error, reason, skipped_at)
                  VALUES ($1, $2, $3, $4, $5, $6)"
             )),
-            purge_published: sql(format!(
+            purge_examined: sql(format!(
                 r#"
-DELETE FROM {outbox} WHERE id IN (
-    SELECT id FROM {outbox} AS o
-    WHERE published_at < $1
-      AND NOT EXISTS (SELECT 1 FROM {deliveries} AS d WHERE d.event_id = o.id)
-    ORDER BY id
-    LIMIT $2)"#
+SELECT o.id, o.published_at,
+       EXISTS (SELECT 1 FROM {deliveries} AS d WHERE d.event_id = o.id) AS held
+FROM {outbox} AS o
+WHERE o.published_at IS NOT NULL AND o.published_at < $1
+  AND (o.published_at, o.id) > (coalesce($2, -9223372036854775808), coalesce($3, 0))
+ORDER BY o.published_at, o.id
+LIMIT $4"#
+            )),
+            purge: sql(format!(
+                "DELETE FROM {outbox} WHERE id IN (SELECT value FROM json_each($1))"
             )),
         }
     }
@@ -894,15 +912,41 @@ DELETE FROM {outbox} WHERE id IN (
         queries: &SqliteQueries,
         older_than: Duration,
         batch_size: u32,
-    ) -> Result<u64, sqlx::Error> {
+        after: Option<PurgedUpTo>,
+    ) -> Result<PurgeStep, sqlx::Error> {
         let before =
             now().saturating_sub(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX));
-        Ok(sqlx::query(queries.purge_published.clone())
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let examined: Vec<(i64, i64, bool)> = sqlx::query_as(queries.purge_examined.clone())
             .bind(before)
+            .bind(after.map(|a| a.published_at))
+            .bind(after.map(|a| a.id))
             .bind(i64::from(batch_size))
-            .execute(pool)
-            .await?
-            .rows_affected())
+            .fetch_all(&mut *tx)
+            .await?;
+        let doomed: Vec<i64> = examined
+            .iter()
+            .filter(|(_, _, held)| !held)
+            .map(|(id, _, _)| *id)
+            .collect();
+        let deleted = if doomed.is_empty() {
+            0
+        } else {
+            sqlx::query(queries.purge.clone())
+                .bind(json!(doomed).to_string())
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+        };
+        tx.commit().await?;
+        let full = examined.len() >= usize::try_from(batch_size).unwrap_or(usize::MAX);
+        Ok(PurgeStep {
+            deleted,
+            next: examined
+                .last()
+                .filter(|_| full)
+                .map(|&(id, published_at, _)| PurgedUpTo { published_at, id }),
+        })
     }
 
     async fn dead_letters(
@@ -1118,4 +1162,85 @@ fn stored_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
         occurred_at: OffsetDateTime::from_unix_timestamp_nanos(i128::from(occurred) * 1000)
             .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use outbox_tests::backend::TestBackend;
+
+    use super::*;
+    use crate::Outbox;
+
+    /// The steps of SQLite's plan for `statement` that read a table or an index whole, but for
+    /// the partial indexes of unpublished events (`pending_idx` is read in order up to the
+    /// batch; `aggregate_idx` holds what the status counts) and for the deliveries when
+    /// `deliveries_counted` (the status counts them all).
+    async fn full_scans(
+        pool: &SqlitePool,
+        statement: &SqlStr,
+        deliveries_counted: bool,
+    ) -> Vec<String> {
+        let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
+            "EXPLAIN QUERY PLAN {}",
+            statement.as_str()
+        )))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        plan.into_iter()
+            .map(|(_, _, _, detail)| detail)
+            .filter(|detail| {
+                let Some(what) = detail.strip_prefix("SCAN ") else {
+                    return false;
+                };
+                let (table, index) = what.split_once(" USING ").unwrap_or((what, ""));
+                if deliveries_counted && table == "outbox_deliveries" {
+                    return false;
+                }
+                if index.is_empty() {
+                    // These statements name their tables so; CTEs and subqueries have other
+                    // names.
+                    ["o", "e", "d", "f", "outbox", "outbox_deliveries"].contains(&table)
+                } else {
+                    !index.ends_with("INDEX outbox_pending_idx")
+                        && !index.ends_with("INDEX outbox_aggregate_idx")
+                }
+            })
+            .collect()
+    }
+
+    /// What a relay runs often (its claim, its purge, its status) reads the outbox and the
+    /// deliveries through indexes, on a table that keeps many published events and a
+    /// subscriber's waiting deliveries: no plan reads the retained events, and the claim no
+    /// waiting delivery but through an index probe.
+    #[tokio::test]
+    async fn the_claim_the_purge_and_the_status_read_by_index() {
+        let (_file, pool) = <Sqlite as TestBackend>::fresh().await;
+        Outbox::<Sqlite, ()>::new(pool.clone())
+            .migrate()
+            .await
+            .unwrap();
+        sqlx::raw_sql(
+            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             SELECT 'a', randomblob(16), 'E', '{}', 0, n FROM g;
+             INSERT INTO outbox_deliveries (event_id, subscriber, aggregate_type, aggregate_id)
+             SELECT id, 'down', aggregate_type, aggregate_id FROM outbox WHERE id % 2 = 0;
+             ANALYZE;",
+        )
+        .execute(&pool)
+        .await
+        .unwrap();
+        let queries = Sqlite::queries(&TableNames::default());
+        for (name, statement, deliveries_counted) in [
+            ("candidates", &queries.candidates, false),
+            ("due_deliveries", &queries.due_deliveries, false),
+            ("purge_examined", &queries.purge_examined, false),
+            ("status", &queries.status, true),
+        ] {
+            let scans = full_scans(&pool, statement, deliveries_counted).await;
+            assert!(scans.is_empty(), "{name} reads a table whole: {scans:?}");
+        }
+    }
 }

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::store::{Batch, Outcomes, Recorded, Requeue, Status};
+use outbox_core::store::{Batch, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::{
     ClaimToken, Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Retention, Store,
     StoreError, router, subscriber,
@@ -372,7 +372,11 @@ impl<S: Store> Store for Counting<S> {
         self.inner.status().await
     }
 
-    async fn purge_published(&self, older_than: Duration, limit: u32) -> Result<u64, StoreError> {
+    async fn purge_published(
+        &self,
+        older_than: Duration,
+        limit: u32,
+    ) -> Result<Purged, StoreError> {
         self.inner.purge_published(older_than, limit).await
     }
 

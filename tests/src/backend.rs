@@ -153,7 +153,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 6;
+    const LATEST_MIGRATION: i32 = 7;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
@@ -373,7 +373,7 @@ impl SqliteFile {
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
-    const LATEST_MIGRATION: i32 = 5;
+    const LATEST_MIGRATION: i32 = 6;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
         let file = SqliteFile {

@@ -494,10 +494,10 @@ impl<S: Store> Store for WatchedStore<S> {
         &self,
         older_than: Duration,
         limit: u32,
-    ) -> Result<u64, outbox_core::StoreError> {
-        let deleted = self.inner.purge_published(older_than, limit).await?;
-        self.purges.lock().unwrap().push((limit, deleted));
-        Ok(deleted)
+    ) -> Result<outbox_core::store::Purged, outbox_core::StoreError> {
+        let purged = self.inner.purge_published(older_than, limit).await?;
+        self.purges.lock().unwrap().push((limit, purged.deleted));
+        Ok(purged)
     }
 
     async fn notified(&self) {

@@ -4,7 +4,7 @@
 use std::sync::Mutex;
 use std::time::Duration;
 
-use outbox_core::store::{Batch, Claim, EventOutcome, Outcomes, Recorded, Requeue, Status};
+use outbox_core::store::{Batch, Claim, EventOutcome, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::{ClaimToken, Relay, RelayConfig, Router, Store, StoreError, StoredEvent};
 use outbox_tests::seed::{Calls, billing};
 use proptest::prelude::*;
@@ -106,8 +106,8 @@ impl Store for OneBatch {
         Ok(Status::default())
     }
 
-    async fn purge_published(&self, _: Duration, _: u32) -> Result<u64, StoreError> {
-        Ok(0)
+    async fn purge_published(&self, _: Duration, _: u32) -> Result<Purged, StoreError> {
+        Ok(Purged::default())
     }
 }
 

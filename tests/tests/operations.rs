@@ -271,17 +271,39 @@ async fn the_store_purges_old_published_events_in_batches_and_keeps_the_rest<B: 
     let (old, keep) = retention_setup(&outbox, &relay, &probe).await;
     let store = outbox.store();
 
-    // One call deletes one batch, oldest first.
-    assert_eq!(store.purge_published(DAY, 3).await.unwrap(), 3);
+    // One call looks at one batch, oldest first, and deletes what no delivery holds; it says
+    // whether it stopped at its limit.
+    let purge = async |limit| {
+        let purged = store.purge_published(DAY, limit).await.unwrap();
+        (purged.deleted, purged.more)
+    };
+    assert_eq!(purge(3).await, (3, true));
     let mut expected: Vec<i64> = old[3..].iter().chain(&keep).copied().collect();
     expected.sort_unstable();
     assert_eq!(remaining(&outbox).await, expected);
-    assert_eq!(store.purge_published(DAY, 3).await.unwrap(), 3);
-    assert_eq!(store.purge_published(DAY, 3).await.unwrap(), 1);
-    assert_eq!(store.purge_published(DAY, 3).await.unwrap(), 0);
+    assert_eq!(purge(3).await, (3, true));
+    // The last old one, and the one a dead delivery holds (published after it).
+    assert_eq!(purge(3).await, (1, false));
+    assert_eq!(purge(3).await, (0, false));
     assert_eq!(remaining(&outbox).await, keep);
     let status = store.status().await.unwrap();
     assert_eq!(status.dead_letters, 2, "{status:?}");
+
+    // The next calls go on past the held one: they do not look at it again and again.
+    let after = published(&outbox, &relay, &probe, 2, 2 * DAY).await;
+    assert_eq!(purge(1).await, (0, true), "the held one");
+    assert_eq!(purge(1).await, (1, true));
+    assert_eq!(
+        remaining(&outbox)
+            .await
+            .iter()
+            .filter(|id| after.contains(id))
+            .count(),
+        1
+    );
+    assert_eq!(purge(1).await, (1, true));
+    assert_eq!(purge(1).await, (0, false));
+    assert_eq!(remaining(&outbox).await, keep);
 
     // The library call goes on until no batch is left.
     published(&outbox, &relay, &probe, 5, 2 * DAY).await;

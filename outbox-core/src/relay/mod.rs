@@ -388,16 +388,19 @@ impl<S: Store, R: Router> Relay<S, R> {
                 .purge_published(retention.keep, retention.batch_size)
                 .await
             {
-                // A full batch: there may be more; go on at once.
-                Ok(deleted) if deleted >= u64::from(retention.batch_size) => {
-                    self.chores
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner)
-                        .next_purge = now;
-                }
-                Ok(deleted) => {
-                    if deleted > 0 {
-                        tracing::debug!(deleted, "outbox relay purged old published events");
+                Ok(purged) => {
+                    if purged.deleted > 0 {
+                        tracing::debug!(
+                            deleted = purged.deleted,
+                            "outbox relay purged old published events"
+                        );
+                    }
+                    // Old events are left to look at: go on at once.
+                    if purged.more {
+                        self.chores
+                            .lock()
+                            .unwrap_or_else(PoisonError::into_inner)
+                            .next_purge = now;
                     }
                 }
                 Err(error) => {
