@@ -29,6 +29,7 @@ on_both_backends!(
     a_subscriber_that_fails_is_retried_alone,
     a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
     a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order,
+    a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
@@ -563,6 +564,85 @@ async fn a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order<B: 
     let seqs: Vec<u32> = probe.delivered_to("x").iter().map(|(_, s)| *s).collect();
     assert_eq!(seqs, (1..=EVENTS).collect::<Vec<_>>());
     assert_eq!(probe.delivered_to("y").len(), EVENTS as usize);
+}
+
+/// A retry due within the in-place limit is waited for in the batch, with the key's later
+/// calls behind it: no delivery row is written. One due later is written down as before, with
+/// every attempt made counted.
+async fn a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, c) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient, Fail::Transient]);
+    probe.fail(
+        "x",
+        c,
+        1,
+        [Fail::Transient, Fail::Transient, Fail::Transient],
+    );
+    let config = config()
+        .with_retry(RetryPolicy::new([ms(10), ms(10), ms(800)]).unwrap())
+        .with_retry_in_place(ms(20));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    let events: Vec<Ping> = [a, c]
+        .into_iter()
+        .flat_map(|aggregate| (1..=2).map(move |seq| Ping { aggregate, seq }))
+        .collect();
+    publish(&outbox, &events).await;
+    let ids: Vec<i64> = B::events(outbox.pool())
+        .await
+        .iter()
+        .map(|e| e.id)
+        .collect();
+
+    let report = relay.run_once().await.unwrap();
+    // a: two retries in place, then delivered, and its second event after it. c: two retries
+    // in place, then a third failure whose retry is due too late: written down, with c's
+    // second event waiting behind it.
+    assert_eq!(
+        (
+            report.delivered,
+            report.retried_in_place,
+            report.retried,
+            report.waiting
+        ),
+        (2, 4, 1, 1),
+        "{report:?}"
+    );
+    assert_eq!(
+        probe
+            .calls_of("x")
+            .iter()
+            .filter(|(g, _, _)| *g == a)
+            .collect::<Vec<_>>(),
+        [&(a, 1, 1), &(a, 1, 2), &(a, 1, 3), &(a, 2, 1)]
+    );
+    assert_eq!(
+        probe
+            .calls_of("x")
+            .iter()
+            .filter(|(g, _, _)| *g == c)
+            .collect::<Vec<_>>(),
+        [&(c, 1, 1), &(c, 1, 2), &(c, 1, 3)]
+    );
+    assert_eq!(
+        B::delivery_count(outbox.pool()).await,
+        2,
+        "c's two rows only"
+    );
+    let (attempts, _, dead, due_in) = delivery::<B>(outbox.pool(), "x", ids[2]).await.unwrap();
+    assert_eq!((attempts, dead), (3, false));
+    assert!(due_in > 0.1, "the late retry waits its delay: {due_in}s");
+
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 4).await;
+    let seqs: Vec<u32> = probe
+        .delivered_to("x")
+        .iter()
+        .filter(|(g, _)| *g == c)
+        .map(|(_, s)| *s)
+        .collect();
+    assert_eq!(seqs, [1, 2]);
+    assert_eq!(B::delivery_count(outbox.pool()).await, 0);
 }
 
 async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {

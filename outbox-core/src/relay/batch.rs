@@ -3,7 +3,7 @@
 //! claim outlasts the handler timeout. Then the outcomes are put together in claim order.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use futures_util::{StreamExt, stream};
 use uuid::Uuid;
@@ -62,11 +62,12 @@ impl<S: Store, R: Router> Relay<S, R> {
         let claimed = claims.len();
         let plan = plan::plan(claims, self);
         let out_of_lease = AtomicBool::new(false);
+        let retried_in_place = AtomicUsize::new(0);
         // The futures are made before they are streamed: a closure in the stream would make
         // the relay's future lose `Send` (rust-lang/rust#102211).
         let mut queues = Vec::with_capacity(plan.queues.len());
         for queue in &plan.queues {
-            queues.push(self.run_queue(&plan, queue, lease, &out_of_lease));
+            queues.push(self.run_queue(&plan, queue, lease, &out_of_lease, &retried_in_place));
         }
         let ran: Vec<Vec<(Step, Ran)>> = stream::iter(queues)
             .buffer_unordered(self.config.concurrency)
@@ -76,19 +77,23 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut report = BatchReport {
             claimed,
             delivered,
+            retried_in_place: retried_in_place.into_inner(),
             ..BatchReport::default()
         };
         tally(&outcomes, &mut report);
         (report, outcomes)
     }
 
-    /// Makes one key's calls in order until one fails; the rest are held back.
+    /// Makes one key's calls in order until one fails; the rest are held back. A failure whose
+    /// retry is due within the [in-place limit](crate::RelayConfig::with_retry_in_place) is
+    /// waited for and retried here, if the claim outlasts the wait and the handler timeout.
     async fn run_queue(
         &self,
         plan: &Plan<Decoded>,
         queue: &[Step],
         lease: &Lease,
         out_of_lease: &AtomicBool,
+        retried_in_place: &AtomicUsize,
     ) -> Vec<(Step, Ran)> {
         let mut ran = Vec::with_capacity(queue.len());
         let mut failed = false;
@@ -130,14 +135,26 @@ impl<S: Store, R: Router> Relay<S, R> {
                     token: lease.token(),
                     expired_claims: expired,
                 };
-                match self
-                    .attempt(subscriber, event, decoded, attempt, under)
-                    .await
-                {
-                    Ok(()) => Ran::Delivered,
-                    Err(outcome) => {
-                        failed = true;
-                        Ran::Failed(outcome)
+                let mut attempt = attempt;
+                loop {
+                    match self
+                        .attempt(subscriber, event, decoded, attempt, under)
+                        .await
+                    {
+                        Ok(()) => break Ran::Delivered,
+                        Err(DeliveryOutcome::Retry {
+                            attempts, retry_in, ..
+                        }) if retry_in <= self.config.retry_in_place
+                            && lease.can_start(retry_in + self.config.handler_timeout) =>
+                        {
+                            retried_in_place.fetch_add(1, Ordering::Relaxed);
+                            tokio::time::sleep(retry_in).await;
+                            attempt = attempts.saturating_add(1);
+                        }
+                        Err(outcome) => {
+                            failed = true;
+                            break Ran::Failed(outcome);
+                        }
                     }
                 }
             };

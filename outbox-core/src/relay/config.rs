@@ -7,6 +7,8 @@ use crate::retry::RetryPolicy;
 
 /// The default [concurrency](RelayConfig::with_concurrency).
 const DEFAULT_CONCURRENCY: usize = 32;
+/// The default [limit of retries in place](RelayConfig::with_retry_in_place).
+const DEFAULT_RETRY_IN_PLACE: Duration = Duration::from_millis(20);
 
 /// How a relay runs. Every setting has a default; see each setter.
 ///
@@ -30,6 +32,7 @@ pub struct RelayConfig {
     pub(super) handler_timeout: Duration,
     pub(super) park_delay: Duration,
     pub(super) retry: RetryPolicy,
+    pub(super) retry_in_place: Duration,
     pub(super) max_error_backoff: Duration,
     pub(super) status_interval: Duration,
     pub(super) retention: Option<Retention>,
@@ -45,6 +48,7 @@ impl Default for RelayConfig {
             handler_timeout: Duration::from_secs(3),
             park_delay: Duration::from_secs(300),
             retry: RetryPolicy::default(),
+            retry_in_place: DEFAULT_RETRY_IN_PLACE,
             max_error_backoff: Duration::from_secs(30),
             status_interval: Duration::from_secs(15),
             retention: Some(Retention::default()),
@@ -132,6 +136,25 @@ impl RelayConfig {
         self
     }
 
+    /// Retries due within `limit` of a failure are made in place (default 20 ms; at most the
+    /// handler timeout; `Duration::ZERO` never).
+    ///
+    /// A failed delivery is otherwise written down as a delivery row, with the later events of
+    /// its (subscriber, aggregate) waiting behind it, and claimed again once due: a record and
+    /// a claim later at the earliest, tens of milliseconds. A retry due sooner than that gains
+    /// nothing from the row, so the relay waits for it in memory and calls the handler again,
+    /// in the same batch, while the key's later calls wait behind it as they would behind the
+    /// row. The [retry policy](Self::with_retry) decides the delays and the attempts as
+    /// always, and each attempt is counted and traced the same; only where the relay waits
+    /// changes. A retry in place holds the batch's end back by its delay (the next batch is
+    /// claimed when this one is done), so keep the limit short; a retry that the claim would
+    /// not outlast is written down instead.
+    #[must_use]
+    pub fn with_retry_in_place(mut self, limit: Duration) -> Self {
+        self.retry_in_place = limit;
+        self
+    }
+
     /// The longest wait between attempts to reach a failing store (default 30 s).
     #[must_use]
     pub fn with_max_error_backoff(mut self, backoff: Duration) -> Self {
@@ -209,6 +232,11 @@ impl RelayConfig {
         self.handler_timeout
     }
 
+    /// The longest retry delay waited for in place.
+    pub fn retry_in_place(&self) -> Duration {
+        self.retry_in_place
+    }
+
     pub(super) fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
             |setting, reason: String| Err(ConfigError::InvalidSetting { setting, reason });
@@ -246,6 +274,16 @@ impl RelayConfig {
             return invalid(
                 "retention batch size",
                 format!("{} is outside 1..=10000", retention.batch_size),
+            );
+        }
+        if self.retry_in_place > self.handler_timeout {
+            return invalid(
+                "retry in place",
+                format!(
+                    "{:?} is more than the handler timeout ({:?}): retries due that late are \
+                     written down and claimed again; keep retries in place short",
+                    self.retry_in_place, self.handler_timeout
+                ),
             );
         }
         if self.handler_timeout.saturating_mul(2) >= self.lease {

@@ -47,6 +47,9 @@ pub struct BatchReport {
     pub delivered: usize,
     /// Deliveries scheduled for another attempt (or set aside until a build that routes them runs).
     pub retried: usize,
+    /// Failed handler calls retried within the batch, their retry being due within the
+    /// [in-place limit](RelayConfig::with_retry_in_place).
+    pub retried_in_place: usize,
     /// Deliveries and events that became dead letters.
     pub dead: usize,
     /// Events set aside until a newer build runs.
