@@ -7,9 +7,10 @@
 //! ```
 //!
 //! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
-//! `failures`, and by hand, not in `all`: `soak`.
+//! `failures`, and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
+//! `--pressure-minutes N` (5),
 //! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`
 //! and the tuned `drain`; the defaults otherwise).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
@@ -30,6 +31,8 @@ use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
 use serde::{Deserialize, Serialize};
 
+#[path = "outbox/pressure.rs"]
+mod pressure;
 #[path = "outbox/work.rs"]
 mod work;
 use sqlx::{PgPool, Postgres};
@@ -79,6 +82,7 @@ struct Options {
     seconds: u64,
     window: u64,
     soak_minutes: u64,
+    pressure_minutes: u64,
     batch: Option<u32>,
     concurrency: Option<usize>,
 }
@@ -105,6 +109,7 @@ fn options() -> Options {
         seconds: 5,
         window: 60,
         soak_minutes: 10,
+        pressure_minutes: 5,
         batch: None,
         concurrency: None,
     };
@@ -122,6 +127,7 @@ fn options() -> Options {
             "--seconds" => options.seconds = number("--seconds"),
             "--window" => options.window = number("--window"),
             "--soak-minutes" => options.soak_minutes = number("--soak-minutes"),
+            "--pressure-minutes" => options.pressure_minutes = number("--pressure-minutes"),
             "--batch" => options.batch = Some(number("--batch") as u32),
             "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
             scenario if !scenario.starts_with('-') => options.scenarios.push(scenario.to_owned()),
@@ -948,6 +954,10 @@ async fn main() {
             "handlers" => work::waiting_handlers(options.runs, &options.config()).await,
             "writes" => work::writing_handlers(options.runs, &options.config()).await,
             "failures" => work::failing_handlers(options.runs, &options.config()).await,
+            "pressure" => {
+                let half = sustained_half(&options).await;
+                pressure::pressure(half, options.pressure_minutes, 2).await;
+            }
             "soak" => {
                 let half = sustained_half(&options).await;
                 println!(

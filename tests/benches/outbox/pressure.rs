@@ -1,0 +1,186 @@
+//! Pressure: a session idle in a transaction pins the xmin horizon (vacuum can reclaim nothing
+//! it might still see) while producers run at half capacity; then it ends. Ours at
+//! `RelayConfig::default()` and the raw `SKIP LOCKED` loop, each on a fresh database: delivered
+//! and offered events per second, commit-to-handler latency (p50, p99) per 30 s window; dead
+//! tuples and sizes of the tables at the start, at the end of the pressure and after.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::{Relay, RelayConfig};
+use sqlx::{Connection, PgConnection, PgPool};
+
+use super::{Bench, Ledger, Meter, percentile, raw_cycle, setup, spawn_producers};
+
+/// A measurement window.
+const WINDOW: Duration = Duration::from_secs(30);
+
+/// The tables each side writes, by what they hold.
+const TABLES: [&str; 3] = [
+    "events.outbox",
+    "events.outbox_claims",
+    "events.outbox_deliveries",
+];
+
+pub(crate) async fn pressure(rate: f64, pressure_minutes: u64, after_minutes: u64) {
+    println!(
+        "(6) pressure: {rate:.0} events/s offered; a session holds its snapshot for \
+         {pressure_minutes} min, then ends; {after_minutes} min after"
+    );
+    for raw in [false, true] {
+        run(raw, rate, pressure_minutes, after_minutes).await;
+    }
+}
+
+async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
+    let (_db, outbox, ids) = setup(1000).await;
+    let pool = outbox.pool().clone();
+    sqlx::query("CREATE EXTENSION IF NOT EXISTS pgstattuple")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let meter = Meter::default();
+    let stop = Arc::new(AtomicBool::new(false));
+    let relay_task = if raw {
+        tokio::spawn(raw_relay(pool.clone(), meter.clone(), stop.clone()))
+    } else {
+        let relay = Relay::new(
+            outbox.store(),
+            Bench {
+                ledger: Ledger(meter.clone()),
+            },
+            RelayConfig::default(),
+        )
+        .unwrap();
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            relay
+                .run(async move {
+                    while !stop.load(Ordering::Relaxed) {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                })
+                .await;
+        })
+    };
+    let producers = spawn_producers(&outbox, &ids, rate, raw, &meter, true, &stop);
+    println!(
+        "  {}",
+        if raw {
+            "raw SKIP LOCKED loop"
+        } else {
+            "ours, RelayConfig::default()"
+        }
+    );
+    // A window to settle before the first figures.
+    tokio::time::sleep(WINDOW).await;
+    report_tables(&pool, "start").await;
+
+    // Out of the pool: the session that holds the snapshot.
+    let mut holder: PgConnection = pool.acquire().await.unwrap().detach();
+    sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM accounts;")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    println!("    window  phase     offered/s  delivered/s  p50 ms  p99 ms  backlog");
+    let windows = |minutes: u64| minutes * 60 / WINDOW.as_secs();
+    let mut window = 0;
+    for _ in 0..windows(pressure_minutes) {
+        window += 1;
+        measure(&pool, &meter, window, "held").await;
+    }
+    report_tables(&pool, "end of the pressure").await;
+    sqlx::raw_sql("ROLLBACK")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    holder.close().await.unwrap();
+    for _ in 0..windows(after_minutes) {
+        window += 1;
+        measure(&pool, &meter, window, "released").await;
+    }
+    report_tables(&pool, "after").await;
+
+    stop.store(true, Ordering::Relaxed);
+    for task in producers {
+        task.await.unwrap();
+    }
+    relay_task.await.unwrap();
+}
+
+/// One window: events committed and delivered per second, latency percentiles of the events
+/// delivered in it, and the backlog at its end.
+async fn measure(pool: &PgPool, meter: &Meter, window: u32, phase: &str) {
+    meter.latencies.lock().unwrap().clear();
+    let (committed, delivered) = (last_id(pool).await, meter.delivered.load(Ordering::Relaxed));
+    let start = Instant::now();
+    tokio::time::sleep(WINDOW).await;
+    let seconds = start.elapsed().as_secs_f64();
+    let offered = (last_id(pool).await - committed) as f64 / seconds;
+    let delivered = (meter.delivered.load(Ordering::Relaxed) - delivered) as f64 / seconds;
+    let mut latencies = meter.latencies.lock().unwrap().clone();
+    latencies.sort();
+    let backlog: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM events.outbox WHERE published_at IS NULL")
+            .fetch_one(pool)
+            .await
+            .unwrap();
+    println!(
+        "    {window:>6}  {phase:<8}  {offered:>9.0}  {delivered:>11.0}  {:>6.1}  {:>6.1}  {backlog:>7}",
+        percentile(&latencies, 0.5).as_secs_f64() * 1000.0,
+        percentile(&latencies, 0.99).as_secs_f64() * 1000.0,
+    );
+}
+
+async fn last_id(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT coalesce(max(id), 0) FROM events.outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Size (with indexes and TOAST) and dead tuples of each table.
+async fn report_tables(pool: &PgPool, when: &str) {
+    let mut parts = Vec::new();
+    for table in TABLES {
+        let (size, dead, dead_percent): (i64, i64, f64) = sqlx::query_as(
+            "SELECT pg_total_relation_size($1::regclass), s.dead_tuple_count,
+                    s.dead_tuple_percent
+             FROM pgstattuple($1::regclass) AS s",
+        )
+        .bind(table)
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        parts.push(format!(
+            "{} {:.1} MB, {dead} dead tuples ({dead_percent:.0}%)",
+            table.trim_start_matches("events."),
+            size as f64 / 1e6
+        ));
+    }
+    println!("    tables at the {when}: {}", parts.join("; "));
+}
+
+/// The raw loop, measuring commit-to-handler latency from the payloads it claims.
+async fn raw_relay(pool: PgPool, meter: Meter, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        let delivered = raw_cycle(&pool, false, async |rows: &[(i64, String)]| {
+            let mut committed = meter.committed_at.lock().unwrap();
+            let mut latencies = meter.latencies.lock().unwrap();
+            for (_, payload) in rows {
+                let seq = serde_json::from_str::<serde_json::Value>(payload)
+                    .ok()
+                    .and_then(|v| v["data"]["seq"].as_u64());
+                if let Some(at) = seq.and_then(|seq| committed.remove(&seq)) {
+                    latencies.push(at.elapsed());
+                }
+            }
+        })
+        .await;
+        meter.delivered.fetch_add(delivered, Ordering::Relaxed);
+        if delivered == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+}
