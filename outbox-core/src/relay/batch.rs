@@ -6,6 +6,7 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use futures_util::{StreamExt, stream};
+use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use super::attempt::Under;
@@ -61,106 +62,148 @@ impl<S: Store, R: Router> Relay<S, R> {
     ) -> (BatchReport, Outcomes) {
         let claimed = claims.len();
         let plan = plan::plan(claims, self);
-        let out_of_lease = AtomicBool::new(false);
-        let retried_in_place = AtomicUsize::new(0);
+        let calls = Calls {
+            permits: Semaphore::new(self.config.concurrency),
+            out_of_lease: AtomicBool::new(false),
+            retried_in_place: AtomicUsize::new(0),
+        };
         // The futures are made before they are streamed: a closure in the stream would make
-        // the relay's future lose `Send` (rust-lang/rust#102211).
+        // the relay's future lose `Send` (rust-lang/rust#102211). Every queue is under way at
+        // once; the permits bound the calls running.
         let mut queues = Vec::with_capacity(plan.queues.len());
         for queue in &plan.queues {
-            queues.push(self.run_queue(&plan, queue, lease, &out_of_lease, &retried_in_place));
+            queues.push(self.run_queue(&plan, queue, lease, &calls));
         }
         let ran: Vec<Vec<(Step, Ran)>> = stream::iter(queues)
-            .buffer_unordered(self.config.concurrency)
+            .buffer_unordered(plan.queues.len().max(1))
             .collect()
             .await;
         let (delivered, outcomes) = assemble(plan, ran);
         let mut report = BatchReport {
             claimed,
             delivered,
-            retried_in_place: retried_in_place.into_inner(),
+            retried_in_place: calls.retried_in_place.into_inner(),
             ..BatchReport::default()
         };
         tally(&outcomes, &mut report);
         (report, outcomes)
     }
 
-    /// Makes one key's calls in order until one fails; the rest are held back. A failure whose
-    /// retry is due within the [in-place limit](crate::RelayConfig::with_retry_in_place) is
-    /// waited for and retried here, if the claim outlasts the wait and the handler timeout.
+    /// Makes one key's calls in order until one fails; the rest are held back. The key holds
+    /// one of the batch's permits while its calls run. A failure whose retry is due within the
+    /// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
+    /// permit) and retried here, if the claim outlasts the wait and the handler timeout.
     async fn run_queue(
         &self,
         plan: &Plan<Decoded>,
         queue: &[Step],
         lease: &Lease,
-        out_of_lease: &AtomicBool,
-        retried_in_place: &AtomicUsize,
+        calls: &Calls,
     ) -> Vec<(Step, Ran)> {
         let mut ran = Vec::with_capacity(queue.len());
         let mut failed = false;
+        // Held from the key's first call to its last, as a worker would hold the key, but
+        // while it waits for a retry. (The semaphore is never closed.)
+        let mut permit = None;
         for &step in queue {
-            let result = if failed {
-                Ran::Behind
-            } else if out_of_lease.load(Ordering::Relaxed)
-                || !lease.can_start(self.config.handler_timeout)
-            {
-                out_of_lease.store(true, Ordering::Relaxed);
-                Ran::NoLease
-            } else {
-                let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim]
-                {
-                    Planned::FanOut {
-                        event,
-                        decoded,
-                        expired,
-                        slots,
-                    } => (event, decoded, slots[step.slot].0, 1, *expired),
-                    Planned::Again {
-                        event,
-                        decoded,
-                        subscriber,
-                        attempts,
-                        expired,
-                    } => (
-                        event,
-                        decoded,
-                        subscriber.as_str(),
-                        attempts.saturating_add(1),
-                        *expired,
-                    ),
-                    Planned::Event { .. } | Planned::Delivery(_) => {
-                        unreachable!("the plan queues only handler calls")
-                    }
-                };
-                let under = Under {
-                    token: lease.token(),
-                    expired_claims: expired,
-                };
-                let mut attempt = attempt;
-                loop {
-                    match self
-                        .attempt(subscriber, event, decoded, attempt, under)
-                        .await
-                    {
-                        Ok(()) => break Ran::Delivered,
-                        Err(DeliveryOutcome::Retry {
-                            attempts, retry_in, ..
-                        }) if retry_in <= self.config.retry_in_place
-                            && lease.can_start(retry_in + self.config.handler_timeout) =>
-                        {
-                            retried_in_place.fetch_add(1, Ordering::Relaxed);
-                            tokio::time::sleep(retry_in).await;
-                            attempt = attempts.saturating_add(1);
-                        }
-                        Err(outcome) => {
-                            failed = true;
-                            break Ran::Failed(outcome);
-                        }
-                    }
+            if failed {
+                ran.push((step, Ran::Behind));
+                continue;
+            }
+            if permit.is_none() {
+                permit = calls.permits.acquire().await.ok();
+            }
+            if !calls.can_start(lease, self.config.handler_timeout) {
+                ran.push((step, Ran::NoLease));
+                continue;
+            }
+            let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim] {
+                Planned::FanOut {
+                    event,
+                    decoded,
+                    expired,
+                    slots,
+                } => (event, decoded, slots[step.slot].0, 1, *expired),
+                Planned::Again {
+                    event,
+                    decoded,
+                    subscriber,
+                    attempts,
+                    expired,
+                } => (
+                    event,
+                    decoded,
+                    subscriber.as_str(),
+                    attempts.saturating_add(1),
+                    *expired,
+                ),
+                Planned::Event { .. } | Planned::Delivery(_) => {
+                    unreachable!("the plan queues only handler calls")
                 }
+            };
+            let under = Under {
+                token: lease.token(),
+                expired_claims: expired,
+            };
+            let mut attempt = attempt;
+            let result = loop {
+                let outcome = match self
+                    .attempt(subscriber, event, decoded, attempt, under)
+                    .await
+                {
+                    Ok(()) => break Ran::Delivered,
+                    Err(outcome) => outcome,
+                };
+                let in_place = match &outcome {
+                    DeliveryOutcome::Retry {
+                        attempts, retry_in, ..
+                    } if *retry_in <= self.config.retry_in_place
+                        && lease.can_start(*retry_in + self.config.handler_timeout) =>
+                    {
+                        Some((*attempts, *retry_in))
+                    }
+                    _ => None,
+                };
+                let Some((attempts, retry_in)) = in_place else {
+                    failed = true;
+                    break Ran::Failed(outcome);
+                };
+                calls.retried_in_place.fetch_add(1, Ordering::Relaxed);
+                // Other keys' calls run meanwhile.
+                drop(permit.take());
+                tokio::time::sleep(retry_in).await;
+                permit = calls.permits.acquire().await.ok();
+                if !calls.can_start(lease, self.config.handler_timeout) {
+                    // Written down as the failure it was, due about now.
+                    failed = true;
+                    break Ran::Failed(outcome);
+                }
+                attempt = attempts.saturating_add(1);
             };
             ran.push((step, result));
         }
         ran
+    }
+}
+
+/// What the queues of one batch share.
+struct Calls {
+    /// The handler calls that may run at once: the relay's concurrency.
+    permits: Semaphore,
+    /// Set once a call could not start for want of lease: no more start.
+    out_of_lease: AtomicBool,
+    retried_in_place: AtomicUsize,
+}
+
+impl Calls {
+    /// Whether a handler may start: the claim outlasts its timeout (and did for every call
+    /// before).
+    fn can_start(&self, lease: &Lease, handler_timeout: std::time::Duration) -> bool {
+        if self.out_of_lease.load(Ordering::Relaxed) || !lease.can_start(handler_timeout) {
+            self.out_of_lease.store(true, Ordering::Relaxed);
+            return false;
+        }
+        true
     }
 }
 
