@@ -184,6 +184,66 @@ where
     })
 }
 
+/// A migration: its version, what it does, and its SQL, a template for
+/// [`TableNames::render`] (the files in `migrations/`).
+pub(crate) type Migration = (i32, &'static str, &'static str);
+
+/// Applies, on `conn` (in the caller's transaction, under its migration lock), the
+/// `migrations` above the version `ledger` records, up to `last`, and records each with
+/// `record` (an insert of version `$1` and description `$2`). `table` names a table by its
+/// suffix, as the backend spells it.
+pub(crate) async fn apply_migrations<DB>(
+    conn: &mut DB::Connection,
+    names: &TableNames,
+    migrations: &[Migration],
+    last: i32,
+    ledger: &str,
+    record: &str,
+    table: impl Fn(&str) -> String,
+) -> Result<(), Error>
+where
+    DB: sqlx::Database,
+    for<'c> &'c mut DB::Connection: sqlx::Executor<'c, Database = DB>,
+    DB::Arguments: sqlx::IntoArguments<DB>,
+    i32: sqlx::Type<DB> + for<'q> sqlx::Encode<'q, DB> + for<'r> sqlx::Decode<'r, DB>,
+    for<'q> &'q str: sqlx::Type<DB> + sqlx::Encode<'q, DB>,
+    usize: sqlx::ColumnIndex<DB::Row>,
+{
+    let known = migrations.last().map_or(0, |m| m.0);
+    let current: i32 = sqlx::query_scalar(sql(format!(
+        "SELECT coalesce(max(version), 0) FROM {ledger}"
+    )))
+    .fetch_one(&mut *conn)
+    .await?;
+    if current > known {
+        return Err(Error::SchemaTooNew {
+            schema: names.schema().to_owned(),
+            table: names.table().to_owned(),
+            found: current,
+            known,
+        });
+    }
+    for (version, description, template) in migrations {
+        if *version <= current || *version > last {
+            continue;
+        }
+        let text = names.render(template, &table);
+        sqlx::raw_sql(sql(text)).execute(&mut *conn).await?;
+        sqlx::query(sql(record.to_owned()))
+            .bind(*version)
+            .bind(*description)
+            .execute(&mut *conn)
+            .await?;
+    }
+    Ok(())
+}
+
+/// SQL built from table names: every name in `text` was validated by [`TableNames::new`] and
+/// is quoted.
+pub(crate) fn sql(text: String) -> sqlx::SqlStr {
+    sqlx::SqlSafeStr::into_sql_str(sqlx::AssertSqlSafe(text))
+}
+
 /// A row count from SQL as a `u64`.
 /// The fewest deliveries of one (subscriber, aggregate) a claim takes behind a due head (when
 /// several keys are due, the batch is split between them, but not thinner than this): a key

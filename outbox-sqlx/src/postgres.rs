@@ -10,14 +10,14 @@ use outbox_core::store::{
 use std::sync::Weak;
 
 use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
-use sqlx::{AssertSqlSafe, Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr};
+use sqlx::{Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus, row_count, sealed,
-    subscriber_status, subscribers_query,
+    Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
+    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -25,199 +25,41 @@ use crate::names::TableNames;
 impl sealed::Sealed for Postgres {}
 
 /// The migrations, in order; templates for [`TableNames::render`].
-const MIGRATIONS: &[(i32, &str, &str)] = &[
+const MIGRATIONS: &[Migration] = &[
     (
         1,
         "events and per-subscriber deliveries",
-        r#"
-CREATE TABLE {outbox} (
-    id              BIGSERIAL PRIMARY KEY,
-    aggregate_type  TEXT NOT NULL,
-    aggregate_id    UUID NOT NULL,
-    event_type      TEXT NOT NULL,
-    payload         JSONB NOT NULL,
-    occurred_at     TIMESTAMPTZ NOT NULL DEFAULT now(),
-    published_at    TIMESTAMPTZ,
-    retry_count     INTEGER NOT NULL DEFAULT 0,
-    last_error      TEXT,
-    next_retry_at   TIMESTAMPTZ,
-    dead_at         TIMESTAMPTZ
-);
-COMMENT ON COLUMN {outbox}.published_at IS
-    'set when every subscriber handled the event or holds it as a delivery of its own';
-COMMENT ON COLUMN {outbox}.retry_count IS
-    'times the event was parked (a newer payload version, an unknown event type)';
-COMMENT ON COLUMN {outbox}.dead_at IS
-    'set when the payload can never be decoded; an operator must requeue or fix it';
-
--- The relay's scan: pending events in id order. Dead events are not in it.
-CREATE INDEX {pending_idx} ON {outbox} (id)
-    WHERE published_at IS NULL AND dead_at IS NULL;
--- The few events that hold their aggregate back: dead or parked.
-CREATE INDEX {stalled_idx} ON {outbox} (aggregate_id, id)
-    WHERE published_at IS NULL AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL);
-
--- One row per batch a relay is working on: the events it claimed, until when. Claims are taken
--- one relay at a time (an advisory lock), so an event is never claimed twice at once, and no
--- event row is written to claim it.
-CREATE TABLE {claims} (
-    id        BIGSERIAL PRIMARY KEY,
-    until     TIMESTAMPTZ NOT NULL,
-    event_ids BIGINT[] NOT NULL
-);
-
-CREATE TABLE {deliveries} (
-    event_id        BIGINT NOT NULL REFERENCES {outbox} (id),
-    subscriber      TEXT NOT NULL,
-    aggregate_id    UUID NOT NULL,
-    attempts        INTEGER NOT NULL DEFAULT 0,
-    last_error      TEXT,
-    next_retry_at   TIMESTAMPTZ NOT NULL DEFAULT now(),
-    dead_at         TIMESTAMPTZ,
-    claimed_until   TIMESTAMPTZ,
-    PRIMARY KEY (subscriber, event_id)
-);
-COMMENT ON TABLE {deliveries} IS
-    'one row per (subscriber, event) not yet delivered after the first pass; deleted once delivered';
-
--- Head of line: the earliest undelivered event of a (subscriber, aggregate).
-CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, event_id);
--- Which aggregates hold a subscriber back.
-CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
--- Due retries.
-CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at)
-    WHERE dead_at IS NULL;
-"#,
+        include_str!("../migrations/postgres/0001_events_and_per_subscriber_deliveries.sql"),
     ),
     (
         2,
         "a record of skipped deliveries",
-        r#"
-CREATE TABLE {skips} (
-    event_id    BIGINT NOT NULL,
-    subscriber  TEXT,
-    attempts    INTEGER NOT NULL,
-    last_error  TEXT,
-    reason      TEXT NOT NULL,
-    skipped_at  TIMESTAMPTZ NOT NULL DEFAULT now()
-);
-COMMENT ON TABLE {skips} IS
-    'deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber';
-"#,
+        include_str!("../migrations/postgres/0002_a_record_of_skipped_deliveries.sql"),
     ),
     (
         3,
         "an index of deliveries by event, for the foreign key",
-        r#"
--- Deleting an event (retention) checks that no delivery refers to it: without this index, by a
--- scan of every delivery per deleted event.
-CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
-"#,
+        include_str!("../migrations/postgres/0003_an_index_of_deliveries_by_event.sql"),
     ),
     (
         4,
         "claims remember the aggregates of their events, uncompressed",
-        r#"
--- A claim checks the aggregates that other claims hold: read here, instead of one lookup per
--- claimed event. NULL in claims written by a relay of an earlier version: those are looked up.
-ALTER TABLE {claims} ADD COLUMN aggregate_ids UUID[];
--- A claim's arrays (a batch of ids) are written once and read about twice: compressing them
--- cost more than the rest of the claim's insert.
-ALTER TABLE {claims} ALTER COLUMN event_ids SET STORAGE EXTERNAL,
-    ALTER COLUMN aggregate_ids SET STORAGE EXTERNAL;
-"#,
+        include_str!("../migrations/postgres/0004_claims_remember_the_aggregates_of_their.sql"),
     ),
     (
         5,
         "fenced claims, events set aside behind a stuck aggregate, the aggregate type in every key",
-        r#"
--- A claim's id is its token: renewals and outcomes name it and count only while it is live.
--- Claims keep the type of each aggregate beside its id: an aggregate is its type and id.
-ALTER TABLE {claims} ADD COLUMN claimed_at TIMESTAMPTZ NOT NULL DEFAULT now(),
-    ADD COLUMN aggregate_types TEXT[];
-ALTER TABLE {claims} ALTER COLUMN aggregate_types SET STORAGE EXTERNAL;
-UPDATE {claims} AS c
-SET aggregate_ids = x.aggregate_ids, aggregate_types = x.aggregate_types
-FROM (
-    SELECT c.id, array_agg(o.aggregate_id ORDER BY e.n) AS aggregate_ids,
-           array_agg(o.aggregate_type ORDER BY e.n) AS aggregate_types
-    FROM {claims} AS c
-    CROSS JOIN LATERAL unnest(c.event_ids) WITH ORDINALITY AS e(id, n)
-    JOIN {outbox} AS o ON o.id = e.id
-    GROUP BY c.id
-) AS x
-WHERE c.id = x.id;
-UPDATE {claims} SET aggregate_ids = '{}', aggregate_types = '{}' WHERE aggregate_types IS NULL;
-
--- Events held back behind an earlier event of their aggregate are set aside, out of the relay's
--- scan: behind a claim that lasted (`held_by`, a claim id: released when that claim is over) or
--- behind a dead or parked event (`held_behind`, its id: released when it is published, skipped
--- or requeued). `holds` lists the claims some events are held by.
-ALTER TABLE {outbox} ADD COLUMN held_by BIGINT,
-    ADD COLUMN held_behind BIGINT,
-    ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0,
-    ADD COLUMN payload_text TEXT;
-COMMENT ON COLUMN {outbox}.expired_claims IS
-    'claims of the event that expired before they were recorded: it may have been delivered before';
-COMMENT ON COLUMN {outbox}.payload_text IS
-    'the exact payload when JSONB cannot hold it (a \u0000 in a string); payload then has U+FFFD';
-CREATE TABLE {holds} (claim_id BIGINT PRIMARY KEY);
-
--- The relay's scan: pending events that nothing holds, in id order. Parked events are found by
--- when they are due, dead ones never.
-DROP INDEX {schema}.{pending_idx};
-CREATE INDEX {pending_idx} ON {outbox} (id)
-    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
-      AND held_by IS NULL AND held_behind IS NULL;
-CREATE INDEX {parked_idx} ON {outbox} (next_retry_at)
-    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NOT NULL;
--- Everything that holds an aggregate back or waits behind it: dead, parked, held.
-DROP INDEX {schema}.{stalled_idx};
-CREATE INDEX {stalled_idx} ON {outbox} (aggregate_id, id)
-    WHERE published_at IS NULL AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
-      OR held_by IS NOT NULL OR held_behind IS NOT NULL);
-CREATE INDEX {held_by_idx} ON {outbox} (held_by) WHERE held_by IS NOT NULL;
-CREATE INDEX {held_behind_idx} ON {outbox} (held_behind) WHERE held_behind IS NOT NULL;
-
--- Deliveries: keyed by the aggregate's type too, claimed under a claim's token.
-ALTER TABLE {deliveries} ADD COLUMN aggregate_type TEXT,
-    ADD COLUMN claim_id BIGINT,
-    ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
-UPDATE {deliveries} AS d SET aggregate_type = o.aggregate_type
-FROM {outbox} AS o WHERE o.id = d.event_id;
--- Relays of earlier versions claim deliveries by this column: dropping it stops them (their
--- claims fail) instead of letting them claim without a token.
-ALTER TABLE {deliveries} ALTER COLUMN aggregate_type SET NOT NULL,
-    DROP COLUMN claimed_until;
-CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
-"#,
+        include_str!("../migrations/postgres/0005_fenced_claims_events_set_aside_behind.sql"),
     ),
     (
         6,
         "deliveries behind the head of their key wait without a due time",
-        r#"
--- Only the first undelivered row of a (subscriber, aggregate) key has a due time; the rows
--- behind it have none, so they are out of the due index and a claim never reads them one by
--- one. When the head is delivered, its record gives the next row its due time; a claim takes
--- a due head together with the ready rows behind it, in order.
-ALTER TABLE {deliveries} ALTER COLUMN next_retry_at DROP NOT NULL,
-    ALTER COLUMN next_retry_at DROP DEFAULT;
-UPDATE {deliveries} AS d SET next_retry_at = NULL
-WHERE d.dead_at IS NULL AND d.claim_id IS NULL
-  AND EXISTS (
-      SELECT 1 FROM {deliveries} AS h
-      WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
-        AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id);
-"#,
+        include_str!("../migrations/postgres/0006_deliveries_behind_the_head_of_their.sql"),
     ),
     (
         7,
         "retention reads old published events by when they were published",
-        r#"
--- Purges go through old published events in this order, from where the last one stopped:
--- each reads a batch, whatever else the table keeps.
-CREATE INDEX {published_idx} ON {outbox} (published_at, id) WHERE published_at IS NOT NULL;
-"#,
+        include_str!("../migrations/postgres/0007_retention_reads_old_published_events_by.sql"),
     ),
 ];
 
@@ -253,11 +95,6 @@ pub struct PgQueries {
     dead_letters: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
-}
-
-fn sql(text: String) -> SqlStr {
-    // Every name in `text` was validated by `TableNames::new` and is quoted.
-    sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
 }
 
 /// The statements that begin a claim's transaction, sent in one round trip.
@@ -1408,7 +1245,6 @@ async fn purge_step<'c>(
 async fn migrate_to(pool: &PgPool, names: &TableNames, last: i32) -> Result<(), Error> {
     let schema = names.quoted_schema();
     let migrations = names.qualified("_migrations");
-    let known = MIGRATIONS.last().map_or(0, |m| m.0);
     let mut tx = pool.begin().await?;
     // One migrator at a time per set of tables.
     sqlx::query("SELECT pg_advisory_xact_lock($1, 0)")
@@ -1424,33 +1260,16 @@ async fn migrate_to(pool: &PgPool, names: &TableNames, last: i32) -> Result<(), 
          );"
     ))))
     .await?;
-    let current: i32 = sqlx::query_scalar(sql(format!(
-        "SELECT coalesce(max(version), 0) FROM {migrations}"
-    )))
-    .fetch_one(&mut *tx)
+    apply_migrations::<Postgres>(
+        &mut tx,
+        names,
+        MIGRATIONS,
+        last,
+        &migrations,
+        &format!("INSERT INTO {migrations} (version, description) VALUES ($1, $2)"),
+        |suffix| names.qualified(suffix),
+    )
     .await?;
-    if current > known {
-        return Err(Error::SchemaTooNew {
-            schema: names.schema().to_owned(),
-            table: names.table().to_owned(),
-            found: current,
-            known,
-        });
-    }
-    for (version, description, template) in MIGRATIONS {
-        if *version <= current || *version > last {
-            continue;
-        }
-        let text = names.render(template, |suffix| names.qualified(suffix));
-        tx.execute(sqlx::raw_sql(sql(text))).await?;
-        sqlx::query(sql(format!(
-            "INSERT INTO {migrations} (version, description) VALUES ($1, $2)"
-        )))
-        .bind(version)
-        .bind(description)
-        .execute(&mut *tx)
-        .await?;
-    }
     tx.commit().await?;
     Ok(())
 }
@@ -1544,6 +1363,7 @@ fn lock_key(aggregate_id: Uuid) -> i32 {
 mod tests {
     use outbox_tests::pg::TestDb;
     use serde_json::Value;
+    use sqlx::AssertSqlSafe;
 
     use super::*;
     use crate::Outbox;

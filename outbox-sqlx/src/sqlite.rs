@@ -16,13 +16,13 @@ use outbox_core::store::{
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
-use sqlx::{AssertSqlSafe, Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus, row_count, sealed,
-    subscriber_status, subscribers_query,
+    Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
+    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -30,161 +30,36 @@ use crate::names::TableNames;
 impl sealed::Sealed for Sqlite {}
 
 /// The migrations, in order; templates for [`TableNames::render`].
-const MIGRATIONS: &[(i32, &str, &str)] = &[
+const MIGRATIONS: &[Migration] = &[
     (
         1,
         "events and per-subscriber deliveries",
-        r#"
-CREATE TABLE {outbox} (
-    id              INTEGER PRIMARY KEY AUTOINCREMENT,
-    aggregate_type  TEXT NOT NULL,
-    aggregate_id    BLOB NOT NULL,
-    event_type      TEXT NOT NULL,
-    payload         TEXT NOT NULL,
-    occurred_at     INTEGER NOT NULL,
-    published_at    INTEGER,
-    retry_count     INTEGER NOT NULL DEFAULT 0,
-    last_error      TEXT,
-    next_retry_at   INTEGER,
-    dead_at         INTEGER,
-    claimed_until   INTEGER
-);
-CREATE INDEX {pending_idx} ON {outbox} (id)
-    WHERE published_at IS NULL AND dead_at IS NULL;
-CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, id)
-    WHERE published_at IS NULL;
-
-CREATE TABLE {deliveries} (
-    event_id        INTEGER NOT NULL REFERENCES {outbox} (id),
-    subscriber      TEXT NOT NULL,
-    aggregate_id    BLOB NOT NULL,
-    attempts        INTEGER NOT NULL DEFAULT 0,
-    last_error      TEXT,
-    next_retry_at   INTEGER NOT NULL,
-    dead_at         INTEGER,
-    claimed_until   INTEGER,
-    PRIMARY KEY (subscriber, event_id)
-);
-CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, event_id);
-CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
-CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at) WHERE dead_at IS NULL;
-"#,
+        include_str!("../migrations/sqlite/0001_events_and_per_subscriber_deliveries.sql"),
     ),
     (
         2,
         "a record of skipped deliveries",
-        r#"
--- Deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber.
-CREATE TABLE {skips} (
-    event_id    INTEGER NOT NULL,
-    subscriber  TEXT,
-    attempts    INTEGER NOT NULL,
-    last_error  TEXT,
-    reason      TEXT NOT NULL,
-    skipped_at  INTEGER NOT NULL
-);
-"#,
+        include_str!("../migrations/sqlite/0002_a_record_of_skipped_deliveries.sql"),
     ),
     (
         3,
         "an index of deliveries by event, for the foreign key",
-        r#"
--- Deleting an event (retention) checks that no delivery refers to it: without this index, by a
--- scan of every delivery per deleted event.
-CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
-"#,
+        include_str!("../migrations/sqlite/0003_an_index_of_deliveries_by_event.sql"),
     ),
     (
         4,
         "fenced claims, events set aside behind a stuck aggregate, the aggregate type in every key",
-        r#"
--- A claim's id is its token: renewals and outcomes name it and count only while it is live.
-CREATE TABLE {claims} (
-    id         INTEGER PRIMARY KEY AUTOINCREMENT,
-    until      INTEGER NOT NULL,
-    claimed_at INTEGER NOT NULL
-);
--- Events held back behind an earlier event of their aggregate are set aside, out of the
--- relay's scan: behind a claim that lasted (`held_by`, released when it is over) or behind a
--- dead or parked event (`held_behind`, released when it is published, skipped or requeued).
-ALTER TABLE {outbox} ADD COLUMN claim_id INTEGER;
-ALTER TABLE {outbox} ADD COLUMN held_by INTEGER;
-ALTER TABLE {outbox} ADD COLUMN held_behind INTEGER;
-ALTER TABLE {outbox} ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE {outbox} DROP COLUMN claimed_until;
-DROP INDEX {pending_idx};
-CREATE INDEX {pending_idx} ON {outbox} (id)
-    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
-      AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL;
-CREATE INDEX {parked_idx} ON {outbox} (next_retry_at)
-    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NOT NULL;
-CREATE INDEX {held_by_idx} ON {outbox} (held_by) WHERE held_by IS NOT NULL;
-CREATE INDEX {held_behind_idx} ON {outbox} (held_behind) WHERE held_behind IS NOT NULL;
-CREATE INDEX {claim_idx} ON {outbox} (claim_id) WHERE claim_id IS NOT NULL;
-DROP INDEX {aggregate_idx};
-CREATE INDEX {aggregate_idx} ON {outbox} (aggregate_id, aggregate_type, id)
-    WHERE published_at IS NULL;
-
-ALTER TABLE {deliveries} ADD COLUMN aggregate_type TEXT NOT NULL DEFAULT '';
-UPDATE {deliveries} SET aggregate_type = coalesce(
-    (SELECT o.aggregate_type FROM {outbox} AS o WHERE o.id = {deliveries}.event_id), '');
-ALTER TABLE {deliveries} ADD COLUMN claim_id INTEGER;
-ALTER TABLE {deliveries} ADD COLUMN expired_claims INTEGER NOT NULL DEFAULT 0;
-ALTER TABLE {deliveries} DROP COLUMN claimed_until;
-DROP INDEX {deliveries_head_idx};
-CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, aggregate_type, event_id);
-CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
-"#,
+        include_str!("../migrations/sqlite/0004_fenced_claims_events_set_aside_behind.sql"),
     ),
     (
         5,
         "deliveries behind the head of their key wait without a due time",
-        r#"
--- Only the first undelivered row of a (subscriber, aggregate) key has a due time; the rows
--- behind it have none, so they are out of the due index and a claim never reads them one by
--- one. When the head is delivered, its record gives the next row its due time; a claim takes
--- a due head together with the ready rows behind it, in order. (SQLite cannot drop a NOT NULL
--- constraint: the table is rebuilt.)
-CREATE TABLE {deliveries_rebuilt} (
-    event_id        INTEGER NOT NULL REFERENCES {outbox} (id),
-    subscriber      TEXT NOT NULL,
-    aggregate_type  TEXT NOT NULL,
-    aggregate_id    BLOB NOT NULL,
-    attempts        INTEGER NOT NULL DEFAULT 0,
-    last_error      TEXT,
-    next_retry_at   INTEGER,
-    dead_at         INTEGER,
-    claim_id        INTEGER,
-    expired_claims  INTEGER NOT NULL DEFAULT 0,
-    PRIMARY KEY (subscriber, event_id)
-);
-INSERT INTO {deliveries_rebuilt} (event_id, subscriber, aggregate_type, aggregate_id, attempts,
-    last_error, next_retry_at, dead_at, claim_id, expired_claims)
-SELECT d.event_id, d.subscriber, d.aggregate_type, d.aggregate_id, d.attempts, d.last_error,
-       CASE WHEN d.dead_at IS NULL AND d.claim_id IS NULL AND EXISTS (
-                SELECT 1 FROM {deliveries} AS h
-                WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
-                  AND h.aggregate_type = d.aggregate_type AND h.event_id < d.event_id)
-            THEN NULL ELSE d.next_retry_at END,
-       d.dead_at, d.claim_id, d.expired_claims
-FROM {deliveries} AS d;
-DROP TABLE {deliveries};
-ALTER TABLE {deliveries_rebuilt} RENAME TO {deliveries};
-CREATE INDEX {deliveries_head_idx} ON {deliveries} (subscriber, aggregate_id, aggregate_type, event_id);
-CREATE INDEX {deliveries_aggregate_idx} ON {deliveries} (aggregate_id);
-CREATE INDEX {deliveries_due_idx} ON {deliveries} (next_retry_at) WHERE dead_at IS NULL;
-CREATE INDEX {deliveries_event_idx} ON {deliveries} (event_id);
-CREATE INDEX {deliveries_claim_idx} ON {deliveries} (claim_id) WHERE claim_id IS NOT NULL;
-"#,
+        include_str!("../migrations/sqlite/0005_deliveries_behind_the_head_of_their.sql"),
     ),
     (
         6,
         "retention reads old published events by when they were published",
-        r#"
--- Purges go through old published events in this order, from where the last one stopped:
--- each reads a batch, whatever else the table keeps.
-CREATE INDEX {published_idx} ON {outbox} (published_at, id) WHERE published_at IS NOT NULL;
-"#,
+        include_str!("../migrations/sqlite/0006_retention_reads_old_published_events_by.sql"),
     ),
 ];
 
@@ -232,11 +107,6 @@ pub struct SqliteQueries {
     skip_delivery: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
-}
-
-fn sql(text: String) -> SqlStr {
-    // Every name in `text` was validated by `TableNames::new` and is quoted.
-    sqlx::SqlSafeStr::into_sql_str(AssertSqlSafe(text))
 }
 
 /// Microseconds since the Unix epoch, the unit of every timestamp column.
@@ -543,7 +413,6 @@ LIMIT $4"#
 
     async fn migrate(pool: &SqlitePool, names: &TableNames) -> Result<(), Error> {
         let migrations = names.local("_migrations");
-        let known = MIGRATIONS.last().map_or(0, |m| m.0);
         // IMMEDIATE: one migrator at a time.
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
         tx.execute(sqlx::raw_sql(sql(format!(
@@ -554,34 +423,20 @@ LIMIT $4"#
              );"
         ))))
         .await?;
-        let current: i32 = sqlx::query_scalar(sql(format!(
-            "SELECT coalesce(max(version), 0) FROM {migrations}"
-        )))
-        .fetch_one(&mut *tx)
+        // (`applied_at` in microseconds since the epoch, as every time on SQLite.)
+        apply_migrations::<Sqlite>(
+            &mut tx,
+            names,
+            MIGRATIONS,
+            i32::MAX,
+            &migrations,
+            &format!(
+                "INSERT INTO {migrations} (version, description, applied_at)
+                 VALUES ($1, $2, CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER))"
+            ),
+            |suffix| names.local(suffix),
+        )
         .await?;
-        if current > known {
-            return Err(Error::SchemaTooNew {
-                schema: names.schema().to_owned(),
-                table: names.table().to_owned(),
-                found: current,
-                known,
-            });
-        }
-        for (version, description, template) in MIGRATIONS {
-            if *version <= current {
-                continue;
-            }
-            let text = names.render(template, |suffix| names.local(suffix));
-            tx.execute(sqlx::raw_sql(sql(text))).await?;
-            sqlx::query(sql(format!(
-                "INSERT INTO {migrations} (version, description, applied_at) VALUES ($1, $2, $3)"
-            )))
-            .bind(version)
-            .bind(description)
-            .bind(now())
-            .execute(&mut *tx)
-            .await?;
-        }
         tx.commit().await?;
         Ok(())
     }
@@ -1167,6 +1022,7 @@ fn stored_event(row: &SqliteRow) -> Result<StoredEvent, sqlx::Error> {
 #[cfg(test)]
 mod tests {
     use outbox_tests::backend::TestBackend;
+    use sqlx::AssertSqlSafe;
 
     use super::*;
     use crate::Outbox;
