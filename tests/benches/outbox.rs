@@ -593,6 +593,33 @@ async fn raw_relay(pool: PgPool, meter: Meter, stop: Arc<AtomicBool>, poll: Dura
     }
 }
 
+/// Our relay on `outbox`, counting deliveries into `meter`, in a task that runs until `stop`.
+fn spawn_relay(
+    outbox: &Outbox<Postgres, Bench>,
+    meter: &Meter,
+    stop: &Arc<AtomicBool>,
+    config: RelayConfig,
+) -> tokio::task::JoinHandle<()> {
+    let relay = Relay::new(
+        outbox.store(),
+        Bench {
+            ledger: Ledger(meter.clone()),
+        },
+        config,
+    )
+    .unwrap();
+    let stop = stop.clone();
+    tokio::spawn(async move {
+        relay
+            .run(async move {
+                while !stop.load(Ordering::Relaxed) {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+            })
+            .await;
+    })
+}
+
 async fn pending(pool: &PgPool) -> i64 {
     sqlx::query_scalar("SELECT count(*) FROM events.outbox WHERE published_at IS NULL")
         .fetch_one(pool)
@@ -620,24 +647,7 @@ async fn steady(
             Duration::from_millis(2),
         ))
     } else {
-        let relay = Relay::new(
-            outbox.store(),
-            Bench {
-                ledger: Ledger(meter.clone()),
-            },
-            RelayConfig::default().with_batch_size(500),
-        )
-        .unwrap();
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            relay
-                .run(async move {
-                    while !stop.load(Ordering::Relaxed) {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                })
-                .await;
-        })
+        spawn_relay(&outbox, &meter, &stop, RelayConfig::default())
     };
     let producers = spawn_producers(&outbox, &ids, rate, raw, &meter, measure_latency, &stop);
     // Settle, then measure the window.
@@ -778,29 +788,17 @@ async fn soak(rate: f64, minutes: u64) {
     let pool = outbox.pool().clone();
     let meter = Meter::default();
     let stop = Arc::new(AtomicBool::new(false));
-    let relay = Relay::new(
-        outbox.store(),
-        Bench {
-            ledger: Ledger(meter.clone()),
-        },
-        // Retention by the relay itself: published events go after a minute.
-        RelayConfig::default().with_batch_size(500).with_retention(
+    // Retention by the relay itself: published events go after a minute.
+    let relay_task = spawn_relay(
+        &outbox,
+        &meter,
+        &stop,
+        RelayConfig::default().with_retention(
             Retention::keep(Duration::from_secs(60))
                 .with_batch_size(5_000)
                 .with_interval(Duration::from_secs(10)),
         ),
-    )
-    .unwrap();
-    let relay_stop = stop.clone();
-    let relay_task = tokio::spawn(async move {
-        relay
-            .run(async move {
-                while !relay_stop.load(Ordering::Relaxed) {
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            })
-            .await;
-    });
+    );
     let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
         .fetch_one(&pool)
         .await

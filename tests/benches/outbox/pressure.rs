@@ -8,10 +8,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::{Relay, RelayConfig};
+use outbox_core::RelayConfig;
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::{Bench, Ledger, Meter, percentile, raw_cycle, setup, spawn_producers};
+use super::{Meter, percentile, raw_cycle, setup, spawn_producers, spawn_relay};
 
 /// A measurement window.
 const WINDOW: Duration = Duration::from_secs(30);
@@ -45,24 +45,7 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
     let relay_task = if raw {
         tokio::spawn(raw_relay(pool.clone(), meter.clone(), stop.clone()))
     } else {
-        let relay = Relay::new(
-            outbox.store(),
-            Bench {
-                ledger: Ledger(meter.clone()),
-            },
-            RelayConfig::default(),
-        )
-        .unwrap();
-        let stop = stop.clone();
-        tokio::spawn(async move {
-            relay
-                .run(async move {
-                    while !stop.load(Ordering::Relaxed) {
-                        tokio::time::sleep(Duration::from_millis(10)).await;
-                    }
-                })
-                .await;
-        })
+        spawn_relay(&outbox, &meter, &stop, RelayConfig::default())
     };
     let producers = spawn_producers(&outbox, &ids, rate, raw, &meter, true, &stop);
     println!(
