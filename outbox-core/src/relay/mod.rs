@@ -564,6 +564,7 @@ mod tests {
             Duration::from_secs(30 * 24 * 3600)
         );
         assert_eq!(config.retry(), &RetryPolicy::default());
+        assert_eq!(config.retry_in_place(), Duration::from_millis(20));
         assert!(config.handler_timeout() * 2 < config.lease());
     }
 
@@ -632,6 +633,11 @@ mod tests {
             (
                 RelayConfig::default().with_status_interval(Duration::ZERO),
                 "invalid status interval: must be greater than zero",
+            ),
+            (
+                RelayConfig::default().with_retry_in_place(Duration::from_secs(4)),
+                "invalid retry in place: 4s is more than the handler timeout (3s): retries due \
+                 that late are written down and claimed again; keep retries in place short",
             ),
             (
                 RelayConfig::default().with_retention(Retention::default().with_batch_size(0)),
