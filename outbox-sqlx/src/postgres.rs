@@ -540,22 +540,28 @@ heads AS MATERIALIZED (
     -- once); the rest of the key waits behind it without a due time.
     SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
            least(
-               -- (Ordered as `deliveries_head_idx`, so that this reads that index.)
+               -- (Ordered as `deliveries_head_idx`, so that this reads that index; `NOT IN`
+               -- over the deleted rows is one hash lookup per row, where `NOT EXISTS` read
+               -- them all for every row.)
                (SELECT h.event_id FROM {deliveries} AS h
                 WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
                   AND h.aggregate_type = k.aggregate_type
-                  AND NOT EXISTS (
-                      SELECT 1 FROM gone_rows AS g
-                      WHERE g.subscriber = h.subscriber AND g.event_id = h.event_id)
+                  AND (h.subscriber, h.event_id) NOT IN (
+                      SELECT g.subscriber, g.event_id FROM gone_rows AS g)
                 ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
                (SELECT min(n.event_id) FROM new_rows AS n
                 WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
                   AND n.aggregate_type = k.aggregate_type)) AS event_id
     FROM (
+        -- (Lateral, and kept so by its `LIMIT`: a primary-key lookup per recorded row, never a
+        -- join over every delivery, whatever the estimates.)
         SELECT d.subscriber, d.aggregate_type, d.aggregate_id
-        FROM {deliveries} AS d
-        JOIN (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
-          ON d.subscriber = x.subscriber AND d.event_id = x.event_id
+        FROM (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
+        CROSS JOIN LATERAL (
+            SELECT d.subscriber, d.aggregate_type, d.aggregate_id FROM {deliveries} AS d
+            WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+            LIMIT 1
+        ) AS d
         UNION
         SELECT n.subscriber, n.aggregate_type, n.aggregate_id FROM new_rows AS n
     ) AS k
@@ -597,7 +603,9 @@ released_deliveries AS (
 promoted AS (
     -- Rows that this record made the first of their key (the rows before them were
     -- delivered): due now. (Not rows written above: a row is written once per statement.)
-    -- (`= ANY` keeps this a primary-key lookup per head, whatever the plan.)
+    -- (`= ANY` makes this a lookup of the event index per head. The conditions on the row
+    -- are wrapped so that they cannot pick the due index instead, whose entries without a
+    -- due time are every waiting row.)
     UPDATE {deliveries} AS d SET next_retry_at = now()
     FROM (
         SELECT h.subscriber, h.event_id FROM heads AS h
@@ -608,7 +616,7 @@ promoted AS (
     ) AS p
     WHERE d.subscriber = p.subscriber AND d.event_id = p.event_id
       AND d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
-      AND d.next_retry_at IS NULL AND d.dead_at IS NULL
+      AND (d.next_retry_at IS NULL AND d.dead_at IS NULL) IS TRUE
 )
 SELECT live FROM live"#
             )),
@@ -2020,5 +2028,111 @@ mod tests {
             "the status read {outbox} rows of the outbox, which holds {PENDING} pending and \
              {DEAD} dead events"
         );
+    }
+
+    /// Rows of the deliveries every backend of the server read so far, through any index or
+    /// sequentially, once this backend's counts are flushed.
+    async fn deliveries_read(pool: &PgPool) -> i64 {
+        sqlx::query_scalar(
+            "SELECT coalesce(t.seq_tup_read, 0)
+                  + (SELECT coalesce(sum(i.idx_tup_read), 0)::int8 FROM pg_stat_user_indexes AS i
+                     WHERE i.relid = t.relid)
+             FROM pg_stat_user_tables AS t WHERE t.relid = 'events.outbox_deliveries'::regclass",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    /// Recording a batch of deliveries reads about the rows it records, however many wait
+    /// behind them: 50 keys with 200 deliveries waiting behind each head. The record deletes
+    /// what was delivered and gives each key's next row its due time, by probes, not by
+    /// reading the waiting rows (it read them through the due index when its estimate said
+    /// there were none, and looked through the delivered rows once per row of every key).
+    #[tokio::test]
+    async fn a_record_reads_about_the_rows_it_records_whatever_waits_behind_them() {
+        const KEYS: i64 = 50;
+        const WAITING: i64 = 200;
+        // One connection: the counts this test reads are that backend's, flushed on demand.
+        let db = TestDb::new().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(1)
+            .connect(&db.url())
+            .await
+            .unwrap();
+        Outbox::<Postgres, ()>::new(pool.clone())
+            .migrate()
+            .await
+            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', md5((g % {KEYS})::text)::uuid, 'E', '{{}}', now()
+             FROM generate_series(0, {KEYS} * ({WAITING} + 1) - 1) AS g;
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+             SELECT id, 'x', 'a', aggregate_id, CASE WHEN first THEN now() END
+             FROM (SELECT id, aggregate_id,
+                          row_number() OVER (PARTITION BY aggregate_id ORDER BY id) = 1 AS first
+                   FROM events.outbox) AS o;
+             ANALYZE events.outbox;
+             ANALYZE events.outbox_deliveries;"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let batch = Postgres::claim(&pool, &queries, 100, Duration::from_secs(30))
+            .await
+            .unwrap();
+        let mut outcomes = Outcomes::default();
+        for claim in &batch.claims {
+            let Claim::Delivery {
+                event, subscriber, ..
+            } = claim
+            else {
+                panic!("only deliveries wait: {claim:?}");
+            };
+            outcomes.deliveries.push(DeliveryRecord {
+                event_id: event.id,
+                aggregate_type: event.aggregate_type.clone(),
+                aggregate_id: event.aggregate_id,
+                subscriber: subscriber.clone(),
+                outcome: DeliveryOutcome::Delivered,
+            });
+        }
+        let recorded = outcomes.deliveries.len() as i64;
+        assert!(
+            recorded >= KEYS,
+            "the claim took every key's head: {recorded}"
+        );
+
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let before = deliveries_read(&pool).await;
+        let applied = Postgres::record(&pool, &queries, batch.token, &outcomes)
+            .await
+            .unwrap();
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(&pool)
+            .await
+            .unwrap();
+        let read = deliveries_read(&pool).await - before;
+        assert_eq!(applied, Recorded::Applied);
+        assert!(
+            read <= 10 * recorded,
+            "recording {recorded} deliveries read {read} delivery rows ({} wait)",
+            KEYS * WAITING
+        );
+        // Each key's next row is due now.
+        let due: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM events.outbox_deliveries WHERE next_retry_at IS NOT NULL",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        assert_eq!(due, KEYS);
     }
 }
