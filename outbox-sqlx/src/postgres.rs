@@ -646,9 +646,11 @@ SELECT (SELECT count(*) FROM events) + (SELECT count(*) FROM deliveries)"#
 WITH examined AS MATERIALIZED (
     -- The next batch of old published events, after where the last purge stopped ($3, $4:
     -- published_at in microseconds since the epoch, and id; NULL: from the oldest).
+    -- (A time other SQL wrote as -infinity is never purged: the cursor could not hold it.)
     SELECT o.id, o.published_at FROM {outbox} AS o
     WHERE o.published_at IS NOT NULL
       AND o.published_at < now() - $1 * interval '1 second'
+      AND isfinite(o.published_at)
       AND (o.published_at, o.id) > (
           CASE WHEN $3::int8 IS NULL THEN '-infinity'::timestamptz
                ELSE timestamptz 'epoch' + $3::int8 * interval '1 microsecond' END,
@@ -2134,5 +2136,42 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(due, KEYS);
+    }
+
+    /// A publication time other SQL wrote as -infinity stops no purge: that row is kept, the
+    /// others go.
+    #[tokio::test]
+    async fn a_purge_goes_on_past_a_publication_time_of_minus_infinity() {
+        let db = migrated().await;
+        sqlx::raw_sql(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             VALUES ('a', gen_random_uuid(), 'E', '{}', '-infinity'),
+                    ('a', gen_random_uuid(), 'E', '{}', now() - interval '2 days'),
+                    ('a', gen_random_uuid(), 'E', '{}', now() - interval '2 days')",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let step = purge_step(&db.pool, &queries, Duration::from_secs(86_400), 1, None)
+            .await
+            .unwrap();
+        assert_eq!(step.deleted, 1);
+        let step = purge_step(
+            &db.pool,
+            &queries,
+            Duration::from_secs(86_400),
+            1,
+            step.next,
+        )
+        .await
+        .unwrap();
+        assert_eq!((step.deleted, step.next.is_some()), (1, true));
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, 1);
     }
 }
