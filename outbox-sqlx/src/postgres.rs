@@ -1879,6 +1879,7 @@ mod tests {
 
         let queries = Postgres::queries(&TableNames::default());
         let mut tx = db.pool.begin().await.unwrap();
+        let (_, before) = rows_read_in(&mut tx).await;
         let purged = purge_step(
             &mut *tx,
             &queries,
@@ -1889,16 +1890,7 @@ mod tests {
         .await
         .unwrap()
         .deleted;
-        // This transaction's reads of the deliveries: sequential, and through each index.
-        let read: i64 = sqlx::query_scalar(
-            "SELECT (SELECT coalesce(seq_tup_read, 0) FROM pg_stat_xact_user_tables
-                     WHERE relid = 'events.outbox_deliveries'::regclass)
-                  + (SELECT coalesce(sum(pg_stat_get_xact_tuples_returned(indexrelid)), 0)::int8
-                     FROM pg_index WHERE indrelid = 'events.outbox_deliveries'::regclass)",
-        )
-        .fetch_one(&mut *tx)
-        .await
-        .unwrap();
+        let read = rows_read_in(&mut tx).await.1 - before;
         tx.rollback().await.unwrap();
 
         assert_eq!(purged, PURGED as u64);
