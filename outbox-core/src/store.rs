@@ -417,6 +417,9 @@ pub trait Store: Send + Sync + 'static {
     /// Each call reads about `limit` events, not the whole retained table: a store may go on
     /// where its previous call stopped, past events it had to keep. [`Purged::more`] says
     /// whether old events are left to look at (call again at once).
+    ///
+    /// A store may delete other records it keeps for the same window in the same call (the
+    /// sqlx stores delete old inbox records too), counted in [`Purged::deleted`].
     fn purge_published(
         &self,
         older_than: Duration,

@@ -78,6 +78,25 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         after: Option<PurgedUpTo>,
     ) -> impl Future<Output = Result<PurgeStep, sqlx::Error>> + Send;
 
+    /// Records in the transaction of `conn` that `consumer` handled `message_id`; false when
+    /// that was recorded before (by a transaction that committed).
+    #[doc(hidden)]
+    fn receive(
+        conn: &mut Self::Connection,
+        queries: &Self::Queries,
+        consumer: &str,
+        message_id: &str,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+    /// Deletes up to `batch_size` inbox records older than `older_than`, oldest first.
+    #[doc(hidden)]
+    fn purge_inbox(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     #[doc(hidden)]
     fn dead_letters(
         pool: &Pool<Self>,

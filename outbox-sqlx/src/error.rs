@@ -15,6 +15,17 @@ pub enum Error {
     /// A setting is invalid.
     #[error(transparent)]
     Config(#[from] ConfigError),
+    /// A consumer name or message id given to the [inbox](crate::OutboxTx::receive) cannot be
+    /// stored; nothing was recorded.
+    #[error("invalid inbox {role} {value:?}: {reason}")]
+    InvalidInboxKey {
+        /// `"consumer"` or `"message id"`.
+        role: &'static str,
+        /// The value (its first 80 characters).
+        value: String,
+        /// What is wrong with it.
+        reason: String,
+    },
     /// The database holds outbox tables migrated by a newer build.
     #[error(
         "the outbox tables `{schema}.{table}` are at migration {found}, newer than the {known} \

@@ -6,6 +6,8 @@
 //! - [`OutboxTx`] is such a transaction. Domain SQL runs on it, [`publish`](OutboxTx::publish)
 //!   stores events in it, and [`commit`](OutboxTx::commit) stores both or neither. Publishing is
 //!   only possible there: not on a pool, a bare connection, or a finished transaction.
+//! - [`OutboxTx::receive`] records in the same transaction that a consumer handled a message
+//!   from outside (a broker, a webhook) and tells a duplicate: the [`inbox`].
 //! - [`SqlStore`] is the relay's view of the same tables; [`Outbox::relay`] builds an
 //!   [`outbox_core::Relay`] over it.
 //!
@@ -64,6 +66,7 @@
 
 mod backend;
 mod error;
+pub mod inbox;
 mod names;
 mod outbox;
 #[cfg(feature = "postgres")]
@@ -77,6 +80,7 @@ pub use backend::{Backend, SubscriberStatus};
 #[doc(hidden)]
 pub use backend::{PurgeStep, PurgedUpTo};
 pub use error::Error;
+pub use inbox::Received;
 pub use names::TableNames;
 pub use outbox::{DeadLetter, Outbox, SqlStore};
 pub use outbox_core as core;

@@ -28,7 +28,7 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 13] = [
+const INDEXES: [&str; 14] = [
     "pending_idx",
     "published_idx",
     "aggregate_idx",
@@ -42,6 +42,7 @@ const INDEXES: [&str; 13] = [
     "deliveries_due_idx",
     "deliveries_event_idx",
     "deliveries_claim_idx",
+    "inbox_handled_idx",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
@@ -104,7 +105,8 @@ impl TableNames {
             .replace("{claims}", &table("_claims"))
             .replace("{holds}", &table("_holds"))
             .replace("{schema}", &self.quoted_schema())
-            .replace("{skips}", &table("_skips"));
+            .replace("{skips}", &table("_skips"))
+            .replace("{inbox}", &table("_inbox"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
         }

@@ -180,6 +180,33 @@ impl<DB: Backend, R> Outbox<DB, R> {
         }
     }
 
+    /// Deletes the [inbox](crate::inbox) records older than `older_than`, `batch_size` at a
+    /// time, and returns how many. A relay with
+    /// [retention](outbox_core::RelayConfig::with_retention) does this as it runs; a service
+    /// that only consumes (no relay) calls this now and then.
+    pub async fn purge_inbox(
+        &self,
+        older_than: std::time::Duration,
+        batch_size: u32,
+    ) -> Result<u64, Error> {
+        if batch_size == 0 {
+            return Err(ConfigError::InvalidSetting {
+                setting: "purge batch size",
+                reason: "must be at least 1".to_owned(),
+            }
+            .into());
+        }
+        let mut total = 0;
+        loop {
+            let deleted =
+                DB::purge_inbox(self.pool(), self.queries(), older_than, batch_size).await?;
+            total += deleted;
+            if deleted < u64::from(batch_size) {
+                return Ok(total);
+            }
+        }
+    }
+
     /// The dead letters: events that can never be decoded, and subscribers' deliveries that
     /// failed for good. Ordered by event id.
     pub async fn dead_letters(&self) -> Result<Vec<DeadLetter>, Error> {
@@ -396,7 +423,14 @@ impl<DB: Backend> Store for SqlStore<DB> {
         // Purges running at once may set this in either order: at worst a batch is looked at
         // twice; the next round, from the oldest, finds whatever one of them passed.
         *lock(&self.inner.purged_up_to) = step.next;
-        Ok(Purged::new(step.deleted, step.next.is_some()))
+        // The inbox's old records go with them, a batch per call as well.
+        let inbox = DB::purge_inbox(&self.inner.pool, &self.inner.queries, older_than, limit)
+            .await
+            .map_err(store_error)?;
+        Ok(Purged::new(
+            step.deleted + inbox,
+            step.next.is_some() || inbox >= u64::from(limit),
+        ))
     }
 
     async fn notified(&self) {

@@ -61,6 +61,11 @@ const MIGRATIONS: &[Migration] = &[
         "retention reads old published events by when they were published",
         include_str!("../migrations/postgres/0007_retention_reads_old_published_events_by.sql"),
     ),
+    (
+        8,
+        "an inbox of the messages consumers handled",
+        include_str!("../migrations/postgres/0008_an_inbox_of_handled_messages.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -78,6 +83,8 @@ pub struct PgQueries {
     claim: SqlStr,
     renew: SqlStr,
     hold_claim: SqlStr,
+    receive: SqlStr,
+    purge_inbox: SqlStr,
     /// `record` when every claimed event was simply published: the common case, made cheap.
     record_published: SqlStr,
     record: SqlStr,
@@ -142,6 +149,7 @@ impl Backend for Postgres {
         let claims = names.qualified("_claims");
         let holds = names.qualified("_holds");
         let skips = names.qualified("_skips");
+        let inbox = names.qualified("_inbox");
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
         // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
         // own namespace (publishers lock aggregates under the table's namespace itself).
@@ -460,6 +468,20 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL, NULL,
             hold_claim: sql(format!(
                 "SELECT set_config('idle_in_transaction_session_timeout', '{IDLE_TIMEOUT}', true)
                  FROM {claims} WHERE id = $1 AND until >= clock_timestamp() FOR KEY SHARE"
+            )),
+            // A transaction that recorded the same message and is still open makes this wait
+            // for its end: a duplicate if it committed, recorded here if it rolled back.
+            receive: sql(format!(
+                "INSERT INTO {inbox} (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            )),
+            purge_inbox: sql(format!(
+                r#"
+DELETE FROM {inbox} WHERE (consumer, message_id) IN (
+    SELECT i.consumer, i.message_id FROM {inbox} AS i
+    WHERE i.handled_at < now() - $1 * interval '1 second'
+    ORDER BY i.handled_at
+    LIMIT $2
+)"#
             )),
             record_published: sql(format!(
                 r#"
@@ -990,6 +1012,35 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         let live: bool = record.fetch_one(&mut *tx).await?;
         tx.commit().await?;
         Ok(recorded(live))
+    }
+
+    async fn receive(
+        conn: &mut PgConnection,
+        queries: &PgQueries,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let inserted = sqlx::query(queries.receive.clone())
+            .bind(consumer)
+            .bind(message_id)
+            .execute(conn)
+            .await?
+            .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn purge_inbox(
+        pool: &PgPool,
+        queries: &PgQueries,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<u64, sqlx::Error> {
+        Ok(sqlx::query(queries.purge_inbox.clone())
+            .bind(older_than.as_secs_f64())
+            .bind(i64::from(batch_size))
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
 
     async fn purge_published(

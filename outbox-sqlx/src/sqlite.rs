@@ -61,6 +61,11 @@ const MIGRATIONS: &[Migration] = &[
         "retention reads old published events by when they were published",
         include_str!("../migrations/sqlite/0006_retention_reads_old_published_events_by.sql"),
     ),
+    (
+        7,
+        "an inbox of the messages consumers handled",
+        include_str!("../migrations/sqlite/0007_an_inbox_of_handled_messages.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -84,6 +89,8 @@ pub struct SqliteQueries {
     events_by_id: SqlStr,
     renew: SqlStr,
     hold_claim: SqlStr,
+    receive: SqlStr,
+    purge_inbox: SqlStr,
     end_claim: SqlStr,
     publish: SqlStr,
     unhold_behind: SqlStr,
@@ -136,6 +143,7 @@ impl Backend for Sqlite {
         let deliveries = names.local("_deliveries");
         let claims = names.local("_claims");
         let skips = names.local("_skips");
+        let inbox = names.local("_inbox");
         // Stalled: the event holds its aggregate's later events back for every subscriber.
         let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
         SqliteQueries {
@@ -284,6 +292,14 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             )),
             renew: sql(format!(
                 "UPDATE {claims} SET until = $2 WHERE id = $1 AND until >= $3"
+            )),
+            receive: sql(format!(
+                "INSERT INTO {inbox} (consumer, message_id, handled_at) VALUES ($1, $2, $3)
+                 ON CONFLICT DO NOTHING"
+            )),
+            purge_inbox: sql(format!(
+                "DELETE FROM {inbox} WHERE rowid IN (
+                     SELECT rowid FROM {inbox} WHERE handled_at < $1 ORDER BY handled_at LIMIT $2)"
             )),
             hold_claim: sql(format!(
                 "UPDATE {claims} SET until = until WHERE id = $1 AND until >= $2"
@@ -760,6 +776,38 @@ LIMIT $4"#
         }
         tx.commit().await?;
         Ok(Recorded::Applied)
+    }
+
+    async fn receive(
+        conn: &mut SqliteConnection,
+        queries: &SqliteQueries,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<bool, sqlx::Error> {
+        let inserted = sqlx::query(queries.receive.clone())
+            .bind(consumer)
+            .bind(message_id)
+            .bind(now())
+            .execute(conn)
+            .await?
+            .rows_affected();
+        Ok(inserted == 1)
+    }
+
+    async fn purge_inbox(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        older_than: Duration,
+        batch_size: u32,
+    ) -> Result<u64, sqlx::Error> {
+        let before =
+            now().saturating_sub(i64::try_from(older_than.as_micros()).unwrap_or(i64::MAX));
+        Ok(sqlx::query(queries.purge_inbox.clone())
+            .bind(before)
+            .bind(i64::from(batch_size))
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
 
     async fn purge_published(

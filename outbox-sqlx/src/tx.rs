@@ -26,6 +26,7 @@ use sqlx::{Database, Pool, Transaction};
 
 use crate::backend::{Backend, NewEvent};
 use crate::error::Error;
+use crate::inbox::Received;
 use crate::outbox::Outbox;
 
 /// The transaction is open.
@@ -265,6 +266,75 @@ impl<DB: Backend, R, S: State> OutboxTx<'_, DB, R, S> {
     {
         let rows = encode_all(events, &self.metadata);
         self.insert(rows)
+    }
+
+    /// Records in this transaction that `consumer` handled the message `message_id` (the
+    /// [inbox](crate::inbox)), and says whether that was recorded before.
+    ///
+    /// For messages that arrive from outside the outbox and may arrive more than once: a
+    /// broker's redelivery, a webhook sent again. Call it first in the transaction that applies
+    /// the message's effects; on [`Received::Duplicate`] skip them. The record commits with the
+    /// effects or rolls back with them, so each message's effects happen once per consumer.
+    /// Consumers are independent: each has its own record of a message id.
+    ///
+    /// On PostgreSQL, while another transaction that recorded the same message is open, this
+    /// waits for it to end: then it is a duplicate if that one committed, and new if it rolled
+    /// back. On SQLite transactions write one at a time anyway.
+    ///
+    /// Records older than the [retention](outbox_core::RelayConfig::with_retention) window are
+    /// deleted by a relay's retention, or by [`Outbox::purge_inbox`]: keep the window longer
+    /// than the senders redeliver.
+    ///
+    /// ```no_run
+    /// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+    /// # use serde::{Deserialize, Serialize};
+    /// # use uuid::Uuid;
+    /// # #[derive(Serialize, Deserialize, OutboxEvent)]
+    /// # #[outbox(aggregate_type = "subscription")]
+    /// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+    /// # #[subscriber(events = [PaymentSucceeded])]
+    /// # struct Licensing;
+    /// # impl Handle<PaymentSucceeded> for Licensing {
+    /// #     async fn handle(&self, _: &PaymentSucceeded, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// # #[router(events = [PaymentSucceeded])]
+    /// # struct App { licensing: Licensing }
+    /// # #[tokio::main] async fn main() -> Result<(), outbox_sqlx::Error> {
+    /// # let outbox: outbox_sqlx::Outbox<sqlx::Postgres, App> =
+    /// #     outbox_sqlx::Outbox::new(sqlx::PgPool::connect_lazy("postgres://").unwrap());
+    /// # let (webhook_id, subscription_id) = ("evt_1", Uuid::nil());
+    /// // A payment provider's webhook, which it may send more than once.
+    /// let mut tx = outbox.begin().await?;
+    /// if tx.receive("payment-webhooks", webhook_id).await?.is_new() {
+    ///     sqlx::query("UPDATE subscriptions SET paid = true WHERE id = $1")
+    ///         .bind(subscription_id)
+    ///         .execute(&mut *tx)
+    ///         .await?;
+    ///     tx.publish(&PaymentSucceeded { subscription_id }).await?;
+    /// }
+    /// tx.commit().await?; // the record, the update and the event, or none of them
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// An empty or overlong consumer name (more than [`MAX_CONSUMER_LEN`] bytes, or holding a
+    /// control character) or message id (more than [`MAX_MESSAGE_ID_LEN`] bytes, or holding a
+    /// NUL) is an [`Error::InvalidInboxKey`]; nothing is recorded.
+    ///
+    /// [`MAX_CONSUMER_LEN`]: crate::inbox::MAX_CONSUMER_LEN
+    /// [`MAX_MESSAGE_ID_LEN`]: crate::inbox::MAX_MESSAGE_ID_LEN
+    /// [`Outbox::purge_inbox`]: crate::Outbox::purge_inbox
+    pub async fn receive(&mut self, consumer: &str, message_id: &str) -> Result<Received, Error>
+    where
+        S: CanPublish,
+    {
+        crate::inbox::check(consumer, message_id)?;
+        let connection = S::connection::<DB>(&mut self.inner);
+        let new = DB::receive(connection, self.outbox.queries(), consumer, message_id).await?;
+        Ok(if new {
+            Received::New
+        } else {
+            Received::Duplicate
+        })
     }
 
     /// Sets the metadata (causation and correlation ids, trace context) that

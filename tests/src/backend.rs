@@ -112,6 +112,17 @@ pub trait TestBackend: Backend + Sized {
         by: Duration,
     ) -> impl Future<Output = ()> + Send;
 
+    /// Moves the inbox record of `message_id` (any consumer) back by `by`, as if it were
+    /// handled long ago.
+    fn backdate_inbox(
+        pool: &Pool<Self>,
+        message_id: &str,
+        by: Duration,
+    ) -> impl Future<Output = ()> + Send;
+
+    /// How many inbox records there are.
+    fn inbox_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
+
     /// Records a migration newer than this build knows.
     fn insert_future_migration(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
 
@@ -153,7 +164,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 7;
+    const LATEST_MIGRATION: i32 = 8;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
@@ -247,6 +258,27 @@ impl TestBackend for Postgres {
         .fetch_one(pool)
         .await
         .unwrap()
+    }
+
+    async fn backdate_inbox(pool: &Pool<Postgres>, message_id: &str, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE events.outbox_inbox SET handled_at = handled_at - $2 * interval '1 second'
+             WHERE message_id = $1",
+        )
+        .bind(message_id)
+        .bind(by.as_secs_f64())
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert!(changed > 0, "message {message_id} is in the inbox");
+    }
+
+    async fn inbox_count(pool: &Pool<Postgres>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM events.outbox_inbox")
+            .fetch_one(pool)
+            .await
+            .unwrap()
     }
 
     async fn backdate_published(pool: &Pool<Postgres>, id: i64, by: Duration) {
@@ -373,7 +405,7 @@ impl SqliteFile {
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
-    const LATEST_MIGRATION: i32 = 6;
+    const LATEST_MIGRATION: i32 = 7;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
         let file = SqliteFile {
@@ -468,6 +500,26 @@ impl TestBackend for Sqlite {
         .fetch_one(pool)
         .await
         .unwrap()
+    }
+
+    async fn backdate_inbox(pool: &Pool<Sqlite>, message_id: &str, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE outbox_inbox SET handled_at = handled_at - $2 WHERE message_id = $1",
+        )
+        .bind(message_id)
+        .bind(i64::try_from(by.as_micros()).unwrap())
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert!(changed > 0, "message {message_id} is in the inbox");
+    }
+
+    async fn inbox_count(pool: &Pool<Sqlite>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_inbox")
+            .fetch_one(pool)
+            .await
+            .unwrap()
     }
 
     async fn backdate_published(pool: &Pool<Sqlite>, id: i64, by: Duration) {

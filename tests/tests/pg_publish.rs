@@ -50,6 +50,7 @@ async fn custom_schema_and_table_names_are_used() {
             "event_log_claims",
             "event_log_deliveries",
             "event_log_holds",
+            "event_log_inbox",
             "event_log_migrations",
             "event_log_skips"
         ]

@@ -304,7 +304,8 @@ impl RelayConfig {
 /// [`RelayConfig::with_retention`].
 ///
 /// The relay deletes events published more than [`keep`](Self::keep) ago, one batch per
-/// statement, between its own batches; once a batch comes back short, it waits
+/// statement, between its own batches (and whatever else the store keeps for the same window:
+/// the sqlx stores' inbox records); once a batch comes back short, it waits
 /// [`interval`](Self::interval) before looking again. Dead letters, events not yet published and
 /// events some subscriber has not received yet are never deleted. Several relays may purge at
 /// once.
