@@ -77,6 +77,67 @@ impl Metadata {
     pub fn trace_context(&self) -> &TraceContext {
         &self.trace_context
     }
+
+    /// The metadata of an event published by the handler of the stored event `handled_id`,
+    /// whose metadata was `handled`: caused by that event ([`event_uuid`]`(handled_id)`), in the
+    /// same business flow (its correlation id, or the handled event's own when it had none),
+    /// with the same trace context.
+    ///
+    /// ```
+    /// use outbox_core::{Metadata, event_uuid};
+    /// # use uuid::Uuid;
+    /// let flow = Uuid::from_u128(7);
+    /// let handled = Metadata::new().with_correlation_id(flow);
+    /// let follow_up = Metadata::follow_up(42, &handled);
+    /// assert_eq!(follow_up.causation_id(), Some(event_uuid(42)));
+    /// assert_eq!(follow_up.correlation_id(), Some(flow));
+    /// // The first event of a flow starts it.
+    /// let first = Metadata::follow_up(42, &Metadata::new());
+    /// assert_eq!(first.correlation_id(), Some(event_uuid(42)));
+    /// ```
+    pub fn follow_up(handled_id: i64, handled: &Metadata) -> Metadata {
+        let cause = event_uuid(handled_id);
+        Metadata {
+            causation_id: Some(cause),
+            correlation_id: Some(handled.correlation_id.unwrap_or(cause)),
+            trace_context: handled.trace_context.clone(),
+        }
+    }
+}
+
+/// The first eight bytes of every [`event_uuid`]: `outbox` and two zero bytes (the version
+/// nibble of a UUID version 8 overwrites the high half of the seventh).
+const EVENT_UUID_PREFIX: [u8; 8] = *b"outbox\0\0";
+
+/// The UUID that stands for the stored event `id` where metadata names an event (a causation
+/// or correlation id): a UUID version 8 holding `outbox` and the id, so that
+/// [`event_id_of`] reads the id back. Ids from 0 to 2^62 - 1 are represented (a stored event's
+/// id is a positive 64-bit integer; others are cut to their low 62 bits).
+pub fn event_uuid(id: i64) -> Uuid {
+    let mut bytes = [0_u8; 16];
+    bytes[..8].copy_from_slice(&EVENT_UUID_PREFIX);
+    bytes[8..].copy_from_slice(&id.to_be_bytes());
+    uuid::Builder::from_custom_bytes(bytes).into_uuid()
+}
+
+/// The stored event's id that an [`event_uuid`] stands for; `None` for any other UUID.
+///
+/// ```
+/// use outbox_core::{event_id_of, event_uuid};
+/// assert_eq!(event_id_of(event_uuid(1042)), Some(1042));
+/// assert_eq!(event_id_of(uuid::Uuid::nil()), None);
+/// ```
+pub fn event_id_of(uuid: Uuid) -> Option<i64> {
+    let bytes = uuid.as_bytes();
+    let mut prefix = EVENT_UUID_PREFIX;
+    prefix[6] = 0x80;
+    if uuid.get_version_num() != 8 || bytes[..8] != prefix {
+        return None;
+    }
+    let mut id = [0_u8; 8];
+    id.copy_from_slice(&bytes[8..]);
+    id[0] &= 0x3f;
+    Some(i64::from_be_bytes(id))
 }
 
 /// A propagated trace context as text fields, such as W3C `traceparent` and `tracestate`.
@@ -307,5 +368,27 @@ impl RawEnvelope {
                 })?;
         }
         serde_json::from_value(data).map_err(invalid_data)
+    }
+}
+
+#[cfg(test)]
+mod event_uuid_tests {
+    use super::*;
+
+    #[test]
+    fn an_event_uuid_is_a_version_8_uuid_that_gives_its_id_back() {
+        for id in [0, 1, 1042, i64::from(u32::MAX) + 1, (1 << 62) - 1] {
+            let uuid = event_uuid(id);
+            assert_eq!(uuid.get_version_num(), 8, "{uuid}");
+            assert_eq!(uuid.get_variant(), uuid::Variant::RFC4122, "{uuid}");
+            assert_eq!(event_id_of(uuid), Some(id), "{uuid}");
+        }
+        assert_ne!(event_uuid(1), event_uuid(2));
+        // Other UUIDs are not event ids: not version 8, or another prefix.
+        assert_eq!(event_id_of(Uuid::nil()), None);
+        assert_eq!(event_id_of(Uuid::from_u128(0x1234)), None);
+        let mut other = *event_uuid(5).as_bytes();
+        other[0] = b'x';
+        assert_eq!(event_id_of(Uuid::from_bytes(other)), None);
     }
 }

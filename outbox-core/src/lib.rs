@@ -69,7 +69,9 @@ pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
-pub use envelope::{Envelope, Metadata, RawEnvelope, TraceContext, decode, encode};
+pub use envelope::{
+    Envelope, Metadata, RawEnvelope, TraceContext, decode, encode, event_id_of, event_uuid,
+};
 pub use error::{ConfigError, DecodeError, EncodeError, PublishError, StoreError};
 pub use event::{AggregateId, BoxError, OutboxEvent, Timestamp, Upcaster};
 pub use publish::Publish;

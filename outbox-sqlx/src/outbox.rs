@@ -1,5 +1,6 @@
 //! The outbox handle: migrations, transactions, and the store the relay reads.
 
+use std::future::Future;
 use std::marker::PhantomData;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
@@ -9,7 +10,9 @@ use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
 use outbox_core::store::{Batch, ClaimToken, Outcomes, Purged, Recorded, Requeue, Status};
-use outbox_core::{ConfigError, Relay, RelayConfig, Router, Store, StoreError};
+use outbox_core::{
+    ConfigError, Delivery, HandlerError, Metadata, Relay, RelayConfig, Router, Store, StoreError,
+};
 use sqlx::{Pool, Transaction};
 
 /// The outbox of one database, for the application whose router is `R`: begins transactions
@@ -259,6 +262,113 @@ impl<DB: Backend, R> Outbox<DB, R> {
         token: ClaimToken,
     ) -> Result<bool, Error> {
         Ok(DB::hold_claim(conn, self.queries(), token).await?)
+    }
+
+    /// Runs a handler's effects exactly once: in one transaction on this outbox's database that
+    /// also records the delivery in the [inbox](crate::inbox), fenced by the delivery's claim.
+    ///
+    /// For a subscriber whose effects live in the outbox's own database. The transaction
+    ///
+    /// 1. locks the claim the delivery runs under ([`hold_claim`](Self::hold_claim)); a claim
+    ///    already lost is a transient error, and nothing is written;
+    /// 2. records "`subscriber` handled event `id`" in the inbox; if a transaction that
+    ///    committed recorded it before (a redelivery after a crash, a lost record), nothing is
+    ///    written, `handler` is not called, and the delivery is done (`Ok`);
+    /// 3. hands the transaction to `handler`, with [metadata](OutboxTx::set_metadata) that makes
+    ///    the events it publishes follow-ups of the handled one ([`Metadata::follow_up`]: caused
+    ///    by it, in its flow; change it with `set_metadata`);
+    /// 4. commits the transaction `handler` gives back with `Ok`. An error (the handler's, or
+    ///    the database's) rolls everything back: nothing happened, and the relay retries under
+    ///    its policy.
+    ///
+    /// Commit, and the effects, the follow-up events and the inbox record are stored; anything
+    /// else, and none of them is. Publishing a follow-up event needs the router `R` to route it,
+    /// as everywhere. The price is a transaction per delivery.
+    ///
+    /// ```no_run
+    /// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+    /// # use serde::{Deserialize, Serialize};
+    /// # use uuid::Uuid;
+    /// use outbox_sqlx::Outbox;
+    /// use sqlx::Postgres;
+    ///
+    /// # #[derive(Serialize, Deserialize, OutboxEvent)]
+    /// # #[outbox(aggregate_type = "subscription")]
+    /// # struct PaymentSucceeded { #[outbox(aggregate_id)] subscription_id: Uuid }
+    /// # #[derive(Serialize, Deserialize, OutboxEvent)]
+    /// # #[outbox(aggregate_type = "subscription")]
+    /// # struct AuditWritten { #[outbox(aggregate_id)] subscription_id: Uuid }
+    /// # #[subscriber(events = [AuditWritten])]
+    /// # struct Reports;
+    /// # impl Handle<AuditWritten> for Reports {
+    /// #     async fn handle(&self, _: &AuditWritten, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+    /// # }
+    /// #[subscriber(events = [PaymentSucceeded])]
+    /// struct Audit {
+    ///     outbox: Outbox<Postgres, App>,
+    /// }
+    ///
+    /// impl Handle<PaymentSucceeded> for Audit {
+    ///     async fn handle(&self, event: &PaymentSucceeded, delivery: &Delivery<'_>)
+    ///         -> Result<(), HandlerError> {
+    ///         self.outbox
+    ///             .handle_once(delivery, |mut tx| async move {
+    ///                 // A plain insert: it happens once, however often the event is delivered.
+    ///                 sqlx::query("INSERT INTO audit (subscription_id) VALUES ($1)")
+    ///                     .bind(event.subscription_id)
+    ///                     .execute(&mut *tx)
+    ///                     .await?;
+    ///                 tx.publish(&AuditWritten { subscription_id: event.subscription_id })
+    ///                     .await?;
+    ///                 Ok(tx) // committed by `handle_once`
+    ///             })
+    ///             .await
+    ///     }
+    /// }
+    ///
+    /// #[router(events = [PaymentSucceeded, AuditWritten])]
+    /// struct App {
+    ///     audit: Audit,
+    ///     reports: Reports,
+    /// }
+    /// ```
+    ///
+    /// [`Metadata::follow_up`]: outbox_core::Metadata::follow_up
+    pub async fn handle_once<F, Fut>(
+        &self,
+        delivery: &Delivery<'_>,
+        handler: F,
+    ) -> Result<(), HandlerError>
+    where
+        F: FnOnce(OutboxTx<'static, DB, R>) -> Fut + Send,
+        Fut: Future<Output = Result<OutboxTx<'static, DB, R>, HandlerError>> + Send,
+    {
+        let mut tx = self.begin().await?;
+        if let Some(token) = delivery.claim_token()
+            && !self.hold_claim(&mut tx, token).await?
+        {
+            return Err(HandlerError::transient(
+                "the claim of this delivery was lost (its lease expired and another relay may \
+                 deliver it): nothing was written",
+            ));
+        }
+        let event = delivery.event();
+        if tx
+            .receive(delivery.subscriber(), &event.id.to_string())
+            .await?
+            .is_duplicate()
+        {
+            tx.rollback().await?;
+            tracing::debug!(
+                event_id = event.id,
+                subscriber = delivery.subscriber(),
+                "outbox delivery handled before (the inbox has it): not handled again"
+            );
+            return Ok(());
+        }
+        tx.set_metadata(Metadata::follow_up(event.id, delivery.metadata()));
+        handler(tx).await?.commit().await?;
+        Ok(())
     }
 
     /// What each subscriber has left: pending and dead deliveries, and blocked aggregates.

@@ -151,6 +151,22 @@ pub trait TestBackend: Backend + Sized {
 
     /// Every effect, as (event id, relay), in insertion order.
     fn effects(pool: &Pool<Self>) -> impl Future<Output = Vec<(i64, String)>> + Send;
+
+    /// Makes a second effect of one event fail loudly: a unique index on `effects (event_id)`.
+    fn make_effects_unique(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
+
+    /// Whether a connection can be killed from SQL (PostgreSQL: yes; SQLite: no).
+    const CAN_KILL_CONNECTIONS: bool;
+
+    /// Kills the server session of `conn` from within it, as a database restart or a proxy
+    /// would: the statement and the transaction fail. Only where `CAN_KILL_CONNECTIONS`.
+    fn kill_own_connection(
+        conn: &mut Self::Connection,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// Ends every claim's lease now, as if its relay had stalled past it: renewals and
+    /// [`hold_claim`](outbox_sqlx::Outbox::hold_claim) find the claims lost.
+    fn expire_claims(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
 }
 
 /// A fresh, migrated outbox on backend `B`, tied to router `R`.
@@ -337,6 +353,29 @@ impl TestBackend for Postgres {
             .bind(id)
             .bind(balance)
             .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+
+    const CAN_KILL_CONNECTIONS: bool = true;
+
+    async fn kill_own_connection(conn: &mut sqlx::PgConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("SELECT pg_terminate_backend(pg_backend_pid())")
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
+    async fn make_effects_unique(pool: &Pool<Postgres>) {
+        sqlx::query("CREATE UNIQUE INDEX effects_once ON effects (event_id)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn expire_claims(pool: &Pool<Postgres>) {
+        sqlx::query("UPDATE events.outbox_claims SET until = now() - interval '1 hour'")
+            .execute(pool)
             .await
             .unwrap();
     }
@@ -575,6 +614,26 @@ impl TestBackend for Sqlite {
             .bind(id)
             .bind(balance)
             .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+
+    const CAN_KILL_CONNECTIONS: bool = false;
+
+    async fn kill_own_connection(_: &mut sqlx::SqliteConnection) -> Result<(), sqlx::Error> {
+        unreachable!("an embedded SQLite connection has no server session to kill")
+    }
+
+    async fn make_effects_unique(pool: &Pool<Sqlite>) {
+        sqlx::query("CREATE UNIQUE INDEX effects_once ON effects (event_id)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn expire_claims(pool: &Pool<Sqlite>) {
+        sqlx::query("UPDATE outbox_claims SET until = 0")
+            .execute(pool)
             .await
             .unwrap();
     }
