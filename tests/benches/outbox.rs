@@ -7,12 +7,12 @@
 //! ```
 //!
 //! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
-//! `failures`, and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
+//! `failures`, `transactional` (h), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
 //! `--pressure-minutes N` (5),
-//! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`
-//! and the tuned `drain`; the defaults otherwise).
+//! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`,
+//! `transactional` and the tuned `drain`; the defaults otherwise).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
 //! alternate in half-second slices on one database (producer, drain), or probe by probe
 //! (sustained), so that the machine's noise falls on both alike.
@@ -144,6 +144,7 @@ fn options() -> Options {
             "handlers",
             "writes",
             "failures",
+            "transactional",
         ]
         .map(str::to_owned)
         .to_vec();
@@ -952,6 +953,9 @@ async fn main() {
             "handlers" => work::waiting_handlers(options.runs, &options.config()).await,
             "writes" => work::writing_handlers(options.runs, &options.config()).await,
             "failures" => work::failing_handlers(options.runs, &options.config()).await,
+            "transactional" => {
+                work::transactional_handlers(options.runs, &options.config()).await;
+            }
             "pressure" => {
                 let half = sustained_half(&options).await;
                 pressure::pressure(half, options.pressure_minutes, 2).await;

@@ -1,6 +1,7 @@
 //! Scenarios with handlers that do work: (f) handlers that wait 2 ms, at several concurrencies;
 //! (g) handlers that insert a row, against a raw loop doing the same inserts; failures: a share
-//! of transient handler failures, against the failure-free drain of the same run.
+//! of transient handler failures, against the failure-free drain of the same run; (h) the audit
+//! insert made exactly once with `Outbox::handle_once`, against an idempotent insert.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -10,7 +11,8 @@ use futures_util::StreamExt;
 use outbox_core::{
     Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, router, subscriber,
 };
-use sqlx::PgPool;
+use outbox_sqlx::Outbox;
+use sqlx::{PgPool, Postgres};
 
 use super::{Deposited, median, prefill, raw_cycle, setup};
 
@@ -24,6 +26,8 @@ struct Work {
     /// Chance of a transient failure, in per mille.
     fail_per_mille: u32,
     audit: Option<PgPool>,
+    /// The audit insert skips an event already audited (`ON CONFLICT DO NOTHING`).
+    idempotent: bool,
 }
 
 impl Work {
@@ -42,7 +46,15 @@ impl Work {
             self.waited.fetch_add(waited, Ordering::Relaxed);
         }
         if let Some(pool) = &self.audit {
-            insert_audit(pool, delivery.event().id, event.seq)
+            let insert = if self.idempotent {
+                "INSERT INTO audit (event_id, seq) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            } else {
+                INSERT_AUDIT
+            };
+            sqlx::query(insert)
+                .bind(delivery.event().id)
+                .bind(i64::try_from(event.seq).unwrap())
+                .execute(pool)
                 .await
                 .map_err(HandlerError::transient)?;
         }
@@ -51,8 +63,10 @@ impl Work {
     }
 }
 
+const INSERT_AUDIT: &str = "INSERT INTO audit (event_id, seq) VALUES ($1, $2)";
+
 async fn insert_audit(pool: &PgPool, event_id: i64, seq: u64) -> Result<(), sqlx::Error> {
-    sqlx::query("INSERT INTO audit (event_id, seq) VALUES ($1, $2)")
+    sqlx::query(INSERT_AUDIT)
         .bind(event_id)
         .bind(i64::try_from(seq).unwrap())
         .execute(pool)
@@ -85,6 +99,36 @@ struct Three {
 #[router(events = [Deposited])]
 struct One {
     audit: Audit,
+}
+
+/// The audit insert, plain, made exactly once: in `handle_once`'s transaction with the inbox
+/// record of the delivery.
+#[subscriber(events = [Deposited], name = "audit")]
+struct OnceAudit {
+    outbox: Outbox<Postgres, Once>,
+    done: Arc<AtomicU64>,
+}
+
+impl Handle<Deposited> for OnceAudit {
+    async fn handle(&self, event: &Deposited, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+        self.outbox
+            .handle_once(delivery, |mut tx| async move {
+                sqlx::query(INSERT_AUDIT)
+                    .bind(delivery.event().id)
+                    .bind(i64::try_from(event.seq).unwrap())
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(tx)
+            })
+            .await?;
+        self.done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+}
+
+#[router(events = [Deposited])]
+struct Once {
+    audit: OnceAudit,
 }
 
 fn three(work: &Work) -> Three {
@@ -140,7 +184,8 @@ async fn drain_with<R: Router + Send + Sync + 'static>(
 }
 
 async fn create_audit(pool: &PgPool) {
-    sqlx::query("CREATE TABLE audit (event_id BIGINT NOT NULL, seq BIGINT NOT NULL)")
+    // Keyed by event: a second insert of an event fails, unless it is idempotent.
+    sqlx::query("CREATE TABLE audit (event_id BIGINT PRIMARY KEY, seq BIGINT NOT NULL)")
         .execute(pool)
         .await
         .unwrap();
@@ -251,6 +296,61 @@ async fn raw_writes(events: u64, concurrency: usize) -> f64 {
         .await;
     }
     events as f64 / start.elapsed().as_secs_f64()
+}
+
+/// (h): one subscriber's audit insert, exactly once (a plain insert in `handle_once`: a
+/// transaction per delivery with the claim's lock and the inbox record) against the same insert
+/// made idempotent (`ON CONFLICT DO NOTHING` on the pool), 20 000 events over 1 000 aggregates,
+/// at the given settings.
+pub(crate) async fn transactional_handlers(runs: usize, config: &RelayConfig) {
+    const EVENTS: u64 = 20_000;
+    let (mut once, mut idempotent) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let work = Work::default();
+        once.push(
+            drain_with(
+                EVENTS,
+                1000,
+                1,
+                config.clone(),
+                |work| Once {
+                    audit: OnceAudit {
+                        outbox: Outbox::new(work.audit.clone().unwrap()),
+                        done: work.done.clone(),
+                    },
+                },
+                work,
+                true,
+            )
+            .await,
+        );
+        let work = Work {
+            idempotent: true,
+            ..Work::default()
+        };
+        idempotent.push(
+            drain_with(
+                EVENTS,
+                1000,
+                1,
+                config.clone(),
+                |work| One {
+                    audit: Audit(work.clone()),
+                },
+                work,
+                true,
+            )
+            .await,
+        );
+    }
+    let (o, i) = (median(once.clone()), median(idempotent.clone()));
+    println!(
+        "(h) audit insert per event, concurrency {}: exactly once (handle_once) {o:>7.0} events/s   idempotent {i:>7.0} events/s   ratio {:.2}   (runs {:?} / {:?})",
+        config.concurrency(),
+        o / i,
+        once.iter().map(|v| v.round()).collect::<Vec<_>>(),
+        idempotent.iter().map(|v| v.round()).collect::<Vec<_>>(),
+    );
 }
 
 /// Drains with 1% and 10% transient failures (retried after 10 ms), 20 000 events over 100
