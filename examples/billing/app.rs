@@ -6,10 +6,10 @@ use std::sync::atomic::{AtomicBool, AtomicU32};
 use outbox_core::router;
 
 use super::audit::Audit;
-use super::db::DbPool;
+use super::db::{DbOutbox, DbPool};
 use super::events::{
     BotInstalled, BotKicked, LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded,
-    SubscriptionStarted,
+    SubscriptionStarted, WinBackOffered,
 };
 use super::licensing::{DbLicenses, Licensing};
 use super::notification::{DbMailer, Notification};
@@ -24,9 +24,10 @@ use super::recovery::Recovery;
     LicenseUpgraded,
     BotInstalled,
     BotKicked,
+    WinBackOffered,
 ])]
 pub struct App {
-    /// Records every event.
+    /// Records every event, exactly once.
     #[observer]
     pub audit: Audit,
     /// Keeps licenses in step with billing.
@@ -56,17 +57,18 @@ impl Default for Controls {
 }
 
 impl App {
-    /// The application's subscribers over `pool`.
-    pub fn new(pool: &DbPool, controls: &Controls) -> Self {
+    /// The application's subscribers over `pool`; audit and recovery write through `outbox`
+    /// (the outbox of the same database), exactly once.
+    pub fn new(pool: &DbPool, outbox: &DbOutbox, controls: &Controls) -> Self {
         Self {
-            audit: Audit(pool.clone()),
+            audit: Audit(outbox.clone()),
             licensing: Licensing {
                 licenses: DbLicenses(pool.clone()),
             },
             notification: Notification {
                 mailer: DbMailer::new(pool.clone(), controls.mail_outage.clone()),
             },
-            recovery: Recovery::new(pool.clone(), controls.recovery_desk_open.clone()),
+            recovery: Recovery::new(outbox.clone(), controls.recovery_desk_open.clone()),
         }
     }
 }

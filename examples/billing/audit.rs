@@ -1,15 +1,17 @@
-//! Audit: records every event, as stored, once (`UNIQUE (outbox_event_id)`).
+//! Audit: records every event, as stored, exactly once: a plain insert, in the transaction that
+//! records the delivery (`Outbox::handle_once`). The seed relied on `UNIQUE (outbox_event_id)`
+//! and `ON CONFLICT DO NOTHING`; the key stays, as a check that would fail loudly.
 
 use outbox_core::{Delivery, HandlerError, Observer};
 use uuid::Uuid;
 
-use super::db::DbPool;
+use super::db::DbOutbox;
 use super::story;
 use crate::args;
 
 /// The audit observer: it takes every event of the catalog, undecoded.
 #[derive(Debug, Clone)]
-pub struct Audit(pub DbPool);
+pub struct Audit(pub DbOutbox);
 
 impl Observer for Audit {
     const NAME: &'static str = "audit";
@@ -17,9 +19,9 @@ impl Observer for Audit {
     async fn observe(&self, d: &Delivery<'_>) -> Result<(), HandlerError> {
         let e = d.event();
         self.0
-            .exec(
-                "INSERT INTO audit_log VALUES ($1, $2, $3, $4, $5, $6)
-                 ON CONFLICT (outbox_event_id) DO NOTHING",
+            .exec_once(
+                d,
+                "INSERT INTO audit_log VALUES ($1, $2, $3, $4, $5, $6)",
                 args![
                     Uuid::new_v4(),
                     e.id,
@@ -28,6 +30,7 @@ impl Observer for Audit {
                     e.event_type.clone(),
                     e.payload.clone()
                 ],
+                None,
             )
             .await?;
         story::handled(

@@ -5,8 +5,12 @@
 use std::future::Future;
 use std::pin::Pin;
 
-use outbox_sqlx::Backend;
+use outbox_core::{Delivery, HandlerError};
+use outbox_sqlx::{Backend, Outbox};
 use sqlx::{Pool, Postgres, Row, Sqlite};
+
+use super::app::App;
+use super::events::WinBackOffered;
 
 /// A value bound to a `$N` parameter.
 #[derive(Debug, Clone)]
@@ -135,6 +139,9 @@ pub trait Db: Backend {
 
     /// The pool, for the subscribers.
     fn into_handle(pool: Pool<Self>) -> DbPool;
+
+    /// The outbox, for the subscribers whose effects it makes exactly once.
+    fn into_outbox(outbox: Outbox<Self, App>) -> DbOutbox;
 }
 
 macro_rules! impl_db {
@@ -203,6 +210,10 @@ macro_rules! impl_db {
             fn into_handle(pool: Pool<Self>) -> DbPool {
                 DbPool::$variant(pool)
             }
+
+            fn into_outbox(outbox: Outbox<Self, App>) -> DbOutbox {
+                DbOutbox::$variant(outbox)
+            }
         }
     };
 }
@@ -254,4 +265,49 @@ impl DbPool {
             DbPool::Sqlite(pool) => Sqlite::rows(pool, sql).await,
         }
     }
+}
+
+/// The outbox of either database, for the subscribers whose effects happen exactly once.
+#[derive(Clone, Debug)]
+pub enum DbOutbox {
+    /// PostgreSQL.
+    Postgres(Outbox<Postgres, App>),
+    /// SQLite.
+    Sqlite(Outbox<Sqlite, App>),
+}
+
+impl DbOutbox {
+    /// Runs `sql` for delivery `d` exactly once, with `Outbox::handle_once`: in one transaction
+    /// with the inbox record of the delivery and the `follow_up` event, if any. A redelivery
+    /// runs nothing.
+    pub async fn exec_once(
+        &self,
+        d: &Delivery<'_>,
+        sql: &'static str,
+        args: Vec<Arg>,
+        follow_up: Option<WinBackOffered>,
+    ) -> Result<(), HandlerError> {
+        match self {
+            DbOutbox::Postgres(outbox) => once(outbox, d, sql, args, follow_up).await,
+            DbOutbox::Sqlite(outbox) => once(outbox, d, sql, args, follow_up).await,
+        }
+    }
+}
+
+async fn once<B: Db>(
+    outbox: &Outbox<B, App>,
+    d: &Delivery<'_>,
+    sql: &'static str,
+    args: Vec<Arg>,
+    follow_up: Option<WinBackOffered>,
+) -> Result<(), HandlerError> {
+    outbox
+        .handle_once(d, |mut tx| async move {
+            B::exec(&mut tx, sql, args).await?;
+            if let Some(event) = &follow_up {
+                tx.publish(event).await?;
+            }
+            Ok(tx)
+        })
+        .await
 }

@@ -90,3 +90,16 @@ pub struct BotKicked {
     /// Why.
     pub reason: String,
 }
+
+/// Recovery made a win-back offer after a final payment failure: a follow-up event, published
+/// by the recovery subscriber in the transaction that opened the case (so it exists exactly
+/// when the case does), caused by the `PaymentFailedFinal` it handled.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "subscription")]
+pub struct WinBackOffered {
+    /// The lapsed subscription.
+    #[outbox(aggregate_id)]
+    pub subscription_id: Uuid,
+    /// What is offered.
+    pub offer: String,
+}

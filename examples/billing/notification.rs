@@ -7,7 +7,9 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use outbox_core::{Delivery, Handle, HandlerError, subscriber};
 
 use super::db::DbPool;
-use super::events::{LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded, SubscriptionStarted};
+use super::events::{
+    LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded, SubscriptionStarted, WinBackOffered,
+};
 use super::story;
 use crate::args;
 
@@ -61,7 +63,13 @@ impl Mailer for DbMailer {
 }
 
 /// The notification subscriber.
-#[subscriber(events = [SubscriptionStarted, PaymentSucceeded, PaymentFailedFinal, LicenseUpgraded])]
+#[subscriber(events = [
+    SubscriptionStarted,
+    PaymentSucceeded,
+    PaymentFailedFinal,
+    LicenseUpgraded,
+    WinBackOffered,
+])]
 pub struct Notification<M: Mailer = DbMailer> {
     /// How notifications leave.
     pub mailer: M,
@@ -120,6 +128,18 @@ impl<M: Mailer> Handle<LicenseUpgraded> for Notification<M> {
         self.notify(
             d,
             format!("license {}", story::short(e.license_id)),
+            message,
+        )
+        .await
+    }
+}
+
+impl<M: Mailer> Handle<WinBackOffered> for Notification<M> {
+    async fn handle(&self, e: &WinBackOffered, d: &Delivery<'_>) -> Result<(), HandlerError> {
+        let message = format!("come back: {}", e.offer);
+        self.notify(
+            d,
+            format!("subscription {}", story::short(e.subscription_id)),
             message,
         )
         .await

@@ -109,11 +109,14 @@ pub async fn run<DB: Db>(pool: Pool<DB>, names: TableNames) -> Result<FinalState
     DB::execute_script(&pool, SCHEMA).await?;
     let outbox: Outbox<DB, App> = Outbox::with_names(pool.clone(), names);
     outbox.migrate().await?;
-    story::note("migrated: the domain tables, and the outbox's events and deliveries tables");
+    story::note(
+        "migrated: the domain tables, and the outbox's events, deliveries and inbox tables",
+    );
 
     let handle = DB::into_handle(pool);
     let controls = Controls::default();
-    let relay = outbox.relay(App::new(&handle, &controls), relay_config())?;
+    let exactly_once = DB::into_outbox(outbox.clone());
+    let relay = outbox.relay(App::new(&handle, &exactly_once, &controls), relay_config())?;
     let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
     let worker = tokio::spawn(async move {
         relay

@@ -11,7 +11,7 @@ use outbox_core::{
     router,
 };
 use outbox_examples::billing::events::{
-    LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded, SubscriptionStarted,
+    LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded, SubscriptionStarted, WinBackOffered,
 };
 use outbox_examples::billing::licensing::{Licenses, Licensing};
 use outbox_examples::billing::notification::{Mailer, Notification};
@@ -215,7 +215,13 @@ impl Mailer for FlakyMailer {
     }
 }
 
-#[router(events = [SubscriptionStarted, PaymentSucceeded, PaymentFailedFinal, LicenseUpgraded])]
+#[router(events = [
+    SubscriptionStarted,
+    PaymentSucceeded,
+    PaymentFailedFinal,
+    LicenseUpgraded,
+    WinBackOffered,
+])]
 struct MailOnly {
     notification: Notification<FlakyMailer>,
 }

@@ -7,10 +7,10 @@ use outbox_examples::billing::app::{App, Controls};
 use outbox_examples::billing::db::{Db, SCHEMA};
 use outbox_examples::billing::events::{
     BotInstalled, BotKicked, LicenseUpgraded, PaymentFailedFinal, PaymentSucceeded,
-    SubscriptionStarted,
+    SubscriptionStarted, WinBackOffered,
 };
 use outbox_examples::billing::scenario::{self, FinalState};
-use outbox_sqlx::TableNames;
+use outbox_sqlx::{Outbox, TableNames};
 use outbox_tests::backend::TestBackend;
 use outbox_tests::on_both_backends;
 use outbox_tests::pg::TestDb;
@@ -66,10 +66,15 @@ async fn the_scenario_ends_in_the_same_state_on_sqlite_and_postgres() {
             "PaymentSucceeded",
             "LicenseUpgraded",
             "BotKicked",
-            "PaymentFailedFinal"
+            "PaymentFailedFinal",
+            "WinBackOffered"
         ]
     );
-    assert_eq!(on_sqlite.notifications.len(), 5);
+    assert_eq!(
+        on_sqlite.notifications.len(),
+        6,
+        "the win-back offer included"
+    );
     assert_eq!(
         on_sqlite.recovery_cases.len(),
         3,
@@ -83,8 +88,11 @@ on_both_backends!(every_example_event_delivered_twice_leaves_the_state_unchanged
 async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestBackend + Db>() {
     let (_db, pool) = B::fresh().await;
     B::execute_script(&pool, SCHEMA).await.unwrap();
+    // Audit and recovery apply their effects exactly once through the outbox: its tables too.
+    let outbox: Outbox<B, App> = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
     let handle = B::into_handle(pool);
-    let app = App::new(&handle, &Controls::default());
+    let app = App::new(&handle, &B::into_outbox(outbox), &Controls::default());
     let (subscription, license, bot) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
     let deliveries = [
         TestDelivery::of(&SubscriptionStarted {
@@ -120,10 +128,14 @@ async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestB
             license_id: license,
             reason: "card expired".to_owned(),
         }),
+        TestDelivery::of(&WinBackOffered {
+            subscription_id: subscription,
+            offer: "a free month".to_owned(),
+        }),
     ];
     assert_eq!(
         deliveries.len(),
-        6,
+        7,
         "every event of the example's catalog: {:?}",
         [
             SubscriptionStarted::EVENT_TYPE,
@@ -132,6 +144,7 @@ async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestB
             LicenseUpgraded::EVENT_TYPE,
             BotKicked::EVENT_TYPE,
             PaymentFailedFinal::EVENT_TYPE,
+            WinBackOffered::EVENT_TYPE,
         ]
     );
     let mut before = FinalState::read(&handle).await.unwrap();
