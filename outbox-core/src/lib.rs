@@ -79,7 +79,7 @@ pub use relay::{BatchReport, Relay, RelayConfig, Retention};
 pub use retry::RetryPolicy;
 pub use routing::{
     Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, RoutedBy, Router, Routes,
-    Subscriber,
+    RunsOn, Subscriber,
 };
 pub use store::{ClaimToken, Status, Store, StoredEvent};
 

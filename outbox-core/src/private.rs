@@ -39,7 +39,8 @@ pub use std::sync::LazyLock;
 
 pub use crate::error::DecodeError;
 pub use crate::routing::{
-    Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, Router, Routes, Subscriber,
+    Decoded, DeliverFuture, Delivery, Handle, HandlerError, Observer, Router, Routes, RunsOn,
+    Subscriber,
 };
 pub use crate::store::StoredEvent;
 

@@ -378,3 +378,18 @@ pub trait Routes<E> {}
 pub trait RoutedBy<R> {}
 
 impl<E, R: Routes<E>> RoutedBy<R> for E {}
+
+/// Marks the databases a router's application runs on: an outbox of another database cannot
+/// deliver to its subscribers, nor run their effects in a transaction.
+///
+/// `#[router]` implements it for every database, or, with `#[router(database = ...)]`, for that
+/// one only; a relay (`outbox_sqlx::Outbox::relay`) and a transactional handler
+/// (`outbox_sqlx::Outbox::handle_once`) on an outbox of database `DB` require it. An
+/// application that runs on one database names it, so that a subscriber holding an outbox of
+/// another one does not compile.
+#[diagnostic::on_unimplemented(
+    message = "router `{Self}` does not run on the database `{DB}`",
+    label = "an outbox on `{DB}`, for router `{Self}`",
+    note = "`#[router(database = ...)]` of `{Self}` names the one database it runs on: use an outbox of that database here (`Outbox<that database, {Self}>`), or change `database`"
+)]
+pub trait RunsOn<DB> {}

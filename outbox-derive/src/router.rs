@@ -19,6 +19,8 @@ struct Args {
     /// Whether `events` was given at all (its value may still be invalid, with its own error).
     events_given: bool,
     events: Option<(Span, Vec<Type>)>,
+    /// `database = sqlx::Postgres`: the one database the application runs on.
+    database: Option<Type>,
     krate: Option<Path>,
 }
 
@@ -50,7 +52,9 @@ pub(crate) fn expand(args: TokenStream, item: &TokenStream) -> TokenStream {
         );
     }
     let generated = match (errors.finish(), members, events) {
-        (Ok(()), Some(members), Some(events)) => router_impl(&input, &krate, &members, events),
+        (Ok(()), Some(members), Some(events)) => {
+            router_impl(&input, &krate, &members, events, args.database.as_ref())
+        }
         (result, _, _) => result
             .err()
             .map(syn::Error::into_compile_error)
@@ -70,13 +74,28 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Args {
                 out.events_given = true;
                 out.events = value;
             }
+        } else if key.is_ident("database") {
+            let value: Type = meta.value()?.parse().map_err(|error| {
+                syn::Error::new(
+                    error.span(),
+                    "expected a database type: `database = sqlx::Postgres`",
+                )
+            })?;
+            if seen.first(key, errors) {
+                out.database = Some(value);
+            }
         } else if key.is_ident("crate") {
             let value = attr::path_value(&meta, "crate = \"my_app::outbox_core\"", errors)?;
             if seen.first(key, errors) {
                 out.krate = value;
             }
         } else {
-            attr::unknown_key(&meta, "router attribute", "`events` or `crate`", errors)?;
+            attr::unknown_key(
+                &meta,
+                "router attribute",
+                "`events`, `database` or `crate`",
+                errors,
+            )?;
         }
         Ok(())
     });
@@ -188,6 +207,7 @@ fn router_impl(
     krate: &Path,
     members: &[Member],
     events: &[Type],
+    database: Option<&Type>,
 ) -> TokenStream {
     let private = quote!(#krate::__private);
     let router = &input.ident;
@@ -277,6 +297,20 @@ fn router_impl(
             impl #private::Routes<#event> for #router {}
         }
     });
+    // The databases it runs on: the one named, or any.
+    let runs_on = match database {
+        Some(database) => quote_spanned! {database.span()=>
+            #[automatically_derived]
+            impl #private::RunsOn<#database> for #router {}
+        },
+        None => {
+            let db = Ident::new("__OutboxDatabase", Span::mixed_site());
+            quote! {
+                #[automatically_derived]
+                impl<#db> #private::RunsOn<#db> for #router {}
+            }
+        }
+    };
     let member_count = members.len();
     let event_count = events.len();
     let fields = members.iter().map(|m| &m.field);
@@ -293,6 +327,7 @@ fn router_impl(
             #(#routed_checks)*
             #(#unique_checks)*
             #(#routes)*
+            #runs_on
 
             #[automatically_derived]
             impl #private::Router for #router {

@@ -11,7 +11,8 @@ use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
 use outbox_core::store::{Batch, ClaimToken, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::{
-    ConfigError, Delivery, HandlerError, Metadata, Relay, RelayConfig, Router, Store, StoreError,
+    ConfigError, Delivery, HandlerError, Metadata, Relay, RelayConfig, Router, RunsOn, Store,
+    StoreError,
 };
 use sqlx::{Pool, Transaction};
 
@@ -147,7 +148,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         config: RelayConfig,
     ) -> Result<Relay<SqlStore<DB>, R>, ConfigError>
     where
-        R: Router,
+        R: Router + RunsOn<DB>,
     {
         Relay::new(self.store(), router, config)
     }
@@ -283,7 +284,9 @@ impl<DB: Backend, R> Outbox<DB, R> {
     ///
     /// Commit, and the effects, the follow-up events and the inbox record are stored; anything
     /// else, and none of them is. Publishing a follow-up event needs the router `R` to route it,
-    /// as everywhere. The price is a transaction per delivery.
+    /// as everywhere; and `R` to run on `DB`: with `#[router(database = sqlx::Postgres)]`, a
+    /// subscriber holding an outbox of another database does not compile. The price is a
+    /// transaction per delivery.
     ///
     /// ```no_run
     /// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
@@ -326,7 +329,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
     ///     }
     /// }
     ///
-    /// #[router(events = [PaymentSucceeded, AuditWritten])]
+    /// #[router(events = [PaymentSucceeded, AuditWritten], database = sqlx::Postgres)]
     /// struct App {
     ///     audit: Audit,
     ///     reports: Reports,
@@ -340,6 +343,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         handler: F,
     ) -> Result<(), HandlerError>
     where
+        R: RunsOn<DB>,
         F: FnOnce(OutboxTx<'static, DB, R>) -> Fut + Send,
         Fut: Future<Output = Result<OutboxTx<'static, DB, R>, HandlerError>> + Send,
     {
