@@ -164,13 +164,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         older_than: std::time::Duration,
         batch_size: u32,
     ) -> Result<u64, Error> {
-        if batch_size == 0 {
-            return Err(ConfigError::InvalidSetting {
-                setting: "purge batch size",
-                reason: "must be at least 1".to_owned(),
-            }
-            .into());
-        }
+        check_purge_batch_size(batch_size)?;
         let (mut total, mut after) = (0, None);
         loop {
             let step =
@@ -193,13 +187,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         older_than: std::time::Duration,
         batch_size: u32,
     ) -> Result<u64, Error> {
-        if batch_size == 0 {
-            return Err(ConfigError::InvalidSetting {
-                setting: "purge batch size",
-                reason: "must be at least 1".to_owned(),
-            }
-            .into());
-        }
+        check_purge_batch_size(batch_size)?;
         let mut total = 0;
         loop {
             let deleted =
@@ -550,6 +538,17 @@ impl<DB: Backend> Store for SqlStore<DB> {
     async fn notified(&self) {
         self.inner.wakeups.notified(&self.inner.pool).await;
     }
+}
+
+/// A purge deletes at least one row per statement.
+fn check_purge_batch_size(batch_size: u32) -> Result<(), ConfigError> {
+    if batch_size == 0 {
+        return Err(ConfigError::InvalidSetting {
+            setting: "purge batch size",
+            reason: "must be at least 1".to_owned(),
+        });
+    }
+    Ok(())
 }
 
 /// A dead letter: it waits for an operator to fix its cause and [requeue](Outbox::requeue) it.

@@ -434,6 +434,10 @@ pub struct WatchedStore<S> {
     pub purges: Arc<Mutex<Vec<(u32, u64)>>>,
     /// How many times the status was read.
     pub statuses: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many of the next records fail (see [`losing_records`](Self::losing_records)).
+    records_to_lose: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many records failed so.
+    pub lost_records: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<S> WatchedStore<S> {
@@ -444,7 +448,18 @@ impl<S> WatchedStore<S> {
             idle: Arc::new(tokio::sync::Notify::new()),
             purges: Arc::default(),
             statuses: Arc::default(),
+            records_to_lose: Arc::default(),
+            lost_records: Arc::default(),
         }
+    }
+
+    /// Fails the first `n` records, as a relay that dies after its handlers ran would lose
+    /// them: the batch's work is delivered again once its claim expires.
+    #[must_use]
+    pub fn losing_records(self, n: usize) -> Self {
+        self.records_to_lose
+            .store(n, std::sync::atomic::Ordering::SeqCst);
+        self
     }
 }
 
@@ -474,6 +489,17 @@ impl<S: Store> Store for WatchedStore<S> {
         token: outbox_core::ClaimToken,
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self
+            .records_to_lose
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.lost_records.fetch_add(1, SeqCst);
+            return Err(outbox_core::StoreError::new(
+                "the record was lost (injected)",
+            ));
+        }
         self.inner.record(token, outcomes).await
     }
 

@@ -7,13 +7,12 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use outbox_core::store::{Batch, ClaimToken, Outcomes, Purged, Recorded, Requeue, Status};
 use outbox_core::{
     DeliverFuture, Delivery, Handle, HandlerError, Metadata, OutboxEvent, Relay, RelayConfig,
-    RetryPolicy, Store, StoreError, event_uuid, router, subscriber,
+    RetryPolicy, event_uuid, router, subscriber,
 };
 use outbox_tests::backend::{TestBackend, outbox};
-use outbox_tests::kit::{Ping, wait_for};
+use outbox_tests::kit::{Ping, WatchedStore, wait_for};
 use outbox_tests::on_both_backends;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
@@ -106,58 +105,6 @@ struct Counts {
 const AGGREGATES: u32 = 4;
 const PER_AGGREGATE: u32 = 10;
 
-/// A store whose first `drop` records fail: the batch's effects committed, its outcomes are
-/// not recorded, and its work is delivered again once its claim expires.
-struct LosingRecords<S> {
-    inner: S,
-    drop: AtomicUsize,
-    lost: Arc<AtomicUsize>,
-}
-
-impl<S: Store> Store for LosingRecords<S> {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
-        self.inner.claim(limit, lease).await
-    }
-
-    async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {
-        self.inner.renew(token, lease).await
-    }
-
-    async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
-        let left = self.drop.load(Ordering::SeqCst);
-        if left > 0
-            && self
-                .drop
-                .compare_exchange(left, left - 1, Ordering::SeqCst, Ordering::SeqCst)
-                .is_ok()
-        {
-            self.lost.fetch_add(1, Ordering::SeqCst);
-            return Err(StoreError::new("the record was lost (injected)"));
-        }
-        self.inner.record(token, outcomes).await
-    }
-
-    async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        self.inner.requeue(which).await
-    }
-
-    async fn status(&self) -> Result<Status, StoreError> {
-        self.inner.status().await
-    }
-
-    async fn purge_published(
-        &self,
-        older_than: Duration,
-        limit: u32,
-    ) -> Result<Purged, StoreError> {
-        self.inner.purge_published(older_than, limit).await
-    }
-
-    async fn notified(&self) {
-        self.inner.notified().await;
-    }
-}
-
 async fn a_transactional_subscriber_commits_its_effect_and_its_delivery_together<B: TestBackend>() {
     let (_db, outbox) = outbox::<B, Books>().await;
     B::create_effects(outbox.pool()).await;
@@ -221,13 +168,10 @@ async fn a_transactional_subscriber_commits_its_effect_and_its_delivery_together
         })
     };
     let seen: Reported = Arc::default();
-    let lost_records = Arc::new(AtomicUsize::new(0));
-    let store = LosingRecords {
-        inner: outbox.store(),
-        // The records of the first two batches with work are lost.
-        drop: AtomicUsize::new(2 * 5),
-        lost: lost_records.clone(),
-    };
+    // The first ten records are lost (a record is tried five times before the relay gives up
+    // on it: two batches' records).
+    let store = WatchedStore::new(outbox.store()).losing_records(10);
+    let lost_records = store.lost_records.clone();
     let config = RelayConfig::default()
         .with_poll_interval(Duration::from_millis(20))
         .with_batch_size(8)
