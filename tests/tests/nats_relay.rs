@@ -1,0 +1,291 @@
+//! Events relayed to NATS JetStream (the real nats-server at 127.0.0.1:4222, or `NATS_URL`) by a
+//! relay process killed with SIGKILL at random moments, ten times: every event reaches the stream
+//! once (`Nats-Msg-Id` drops what a restarted relay publishes again), with its headers, in commit
+//! order per aggregate. Each test has a stream and subjects of its own, deleted after.
+//!
+//! The relay is this test binary run again with `OUTBOX_NATS_DATABASE` set: see
+//! `nats_relay_process`, which does nothing when run without it.
+
+use std::collections::HashMap;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use async_nats::jetstream;
+use outbox_core::{
+    Delivery, Handle, HandlerError, OutboxEvent, RelayConfig, RetryPolicy, router, subscriber,
+};
+use outbox_nats::{
+    AGGREGATE_ID, AGGREGATE_TYPE, EVENT_ID, EVENT_TYPE, EVENT_VERSION, JetStreamPublisher,
+};
+use outbox_sqlx::Outbox;
+use outbox_tests::pg::TestDb;
+use serde::{Deserialize, Serialize};
+use sqlx::Postgres;
+use uuid::Uuid;
+
+const EVENTS: usize = 10_000;
+const AGGREGATES: usize = 100;
+const KILLS: usize = 10;
+
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "order")]
+struct OrderPlaced {
+    #[outbox(aggregate_id)]
+    order: Uuid,
+    /// Its number within the aggregate, in commit order.
+    seq: u32,
+}
+
+/// Shares every event on JetStream.
+#[subscriber(events = [OrderPlaced], name = "jetstream")]
+struct Broker(JetStreamPublisher);
+
+impl<E: Sync> Handle<E> for Broker {
+    async fn handle(&self, _: &E, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+        self.0.publish(delivery).await
+    }
+}
+
+#[router(events = [OrderPlaced])]
+struct Shop {
+    broker: Broker,
+}
+
+fn nats_url() -> String {
+    std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned())
+}
+
+async fn jetstream() -> jetstream::Context {
+    let client = async_nats::connect(nats_url()).await.unwrap_or_else(|error| {
+        panic!(
+            "no NATS server at {} ({error}): start nats-server with JetStream (-js), as .ci/run does",
+            nats_url()
+        )
+    });
+    jetstream::new(client)
+}
+
+/// The relay, when started by the test below.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the relay process of events_reach_jetstream_once_in_commit_order_though_the_relay_is_killed"]
+async fn nats_relay_process() {
+    let Ok(url) = std::env::var("OUTBOX_NATS_DATABASE") else {
+        return;
+    };
+    let prefix = std::env::var("OUTBOX_NATS_PREFIX").unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(8)
+        .connect(&url)
+        .await
+        .unwrap();
+    let outbox: Outbox<Postgres, Shop> = Outbox::new(pool);
+    let publisher = JetStreamPublisher::new(jetstream().await).with_subject_prefix(prefix);
+    let relay = outbox
+        .relay(
+            Shop {
+                broker: Broker(publisher),
+            },
+            // Short leases: the claims of a killed relay come back soon.
+            RelayConfig::default()
+                .with_lease(Duration::from_secs(2))
+                .with_handler_timeout(Duration::from_millis(900))
+                .with_poll_interval(Duration::from_millis(20))
+                .with_retry(RetryPolicy::new([Duration::from_millis(50); 20]).unwrap()),
+        )
+        .unwrap();
+    relay.run(std::future::pending()).await;
+}
+
+/// Kills the relay when the test ends, also when it fails.
+struct RelayProcess(Child);
+
+impl RelayProcess {
+    fn start(database: &str, prefix: &str) -> Self {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args(["nats_relay_process", "--exact", "--ignored", "--nocapture"])
+            .env("OUTBOX_NATS_DATABASE", database)
+            .env("OUTBOX_NATS_PREFIX", prefix)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start the relay process");
+        Self(child)
+    }
+
+    /// SIGKILL: no shutdown, no last record.
+    fn kill(mut self) {
+        self.0.kill().expect("kill the relay");
+        self.0.wait().expect("reap the relay");
+    }
+}
+
+impl Drop for RelayProcess {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A stream of the test's own, deleted when dropped.
+struct TestStream {
+    jetstream: jetstream::Context,
+    name: String,
+    prefix: String,
+}
+
+impl TestStream {
+    async fn new() -> Self {
+        let jetstream = jetstream().await;
+        let id = Uuid::new_v4().simple().to_string();
+        let (name, prefix) = (format!("OUTBOX_TEST_{id}"), format!("t{id}"));
+        outbox_nats::ensure_stream(
+            &jetstream,
+            outbox_nats::stream_config(name.clone(), [format!("{prefix}.>")]),
+        )
+        .await
+        .unwrap();
+        Self {
+            jetstream,
+            name,
+            prefix,
+        }
+    }
+
+    async fn messages(&self) -> u64 {
+        let mut stream = self.jetstream.get_stream(&self.name).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+}
+
+impl Drop for TestStream {
+    fn drop(&mut self) {
+        let (jetstream, name) = (self.jetstream.clone(), self.name.clone());
+        // Deleted on a runtime of its own: the test's may be shutting down.
+        let _ = std::thread::spawn(move || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async { jetstream.delete_stream(&name).await.ok() });
+        })
+        .join();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn events_reach_jetstream_once_in_commit_order_though_the_relay_is_killed() {
+    let stream = TestStream::new().await;
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Shop> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+
+    // Commits of 100 events each, every aggregate's in its own order.
+    let orders: Vec<Uuid> = (0..AGGREGATES).map(|_| Uuid::new_v4()).collect();
+    let per_aggregate = EVENTS / AGGREGATES;
+    for seq in 0..per_aggregate {
+        let events: Vec<OrderPlaced> = orders
+            .iter()
+            .map(|&order| OrderPlaced {
+                order,
+                seq: u32::try_from(seq).unwrap(),
+            })
+            .collect();
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish_all(&events).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+
+    // The fault schedule: each relay runs for a random 100 to 600 ms, then dies.
+    let url = db.url();
+    for _ in 0..KILLS {
+        let relay = RelayProcess::start(&url, &stream.prefix);
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(100..600))).await;
+        relay.kill();
+    }
+    let published_while_killing = stream.messages().await;
+    let relay = RelayProcess::start(&url, &stream.prefix);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let status = outbox.status().await.unwrap();
+        if status.pending_events == 0 && status.pending_deliveries == 0 {
+            assert_eq!(status.dead_letters, 0, "{status:?}");
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not delivered in 120 s: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    relay.kill();
+    assert!(
+        published_while_killing > 0,
+        "the killed relays published nothing: the test would show nothing"
+    );
+
+    // The kills cut claims short: their events were published again, and JetStream dropped the
+    // copies.
+    let redelivered: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM events.outbox WHERE expired_claims > 0")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        stream.messages().await,
+        EVENTS as u64,
+        "no duplicate in the stream"
+    );
+
+    // Every message, in stream order: its headers, its body, and each aggregate's in commit order.
+    let events: HashMap<i64, (Uuid, u32)> =
+        sqlx::query_as::<_, (i64, String)>("SELECT id, payload::text FROM events.outbox")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(id, payload)| {
+                let event = outbox_core::decode::<OrderPlaced>(payload).unwrap().event;
+                (id, (event.order, event.seq))
+            })
+            .collect();
+    let js_stream = stream.jetstream.get_stream(&stream.name).await.unwrap();
+    let mut last: HashMap<Uuid, (i64, u32)> = HashMap::new();
+    for sequence in 1..=EVENTS as u64 {
+        let message = js_stream.get_raw_message(sequence).await.unwrap();
+        let header = |name: &str| {
+            message
+                .headers
+                .get(name)
+                .unwrap_or_else(|| panic!("message {sequence} has no {name}"))
+                .as_str()
+                .to_owned()
+        };
+        let id: i64 = header(EVENT_ID).parse().unwrap();
+        assert_eq!(header("Nats-Msg-Id"), id.to_string());
+        assert_eq!(header(EVENT_TYPE), "OrderPlaced");
+        assert_eq!(header(EVENT_VERSION), "1");
+        assert_eq!(header(AGGREGATE_TYPE), "order");
+        let (order, seq) = events[&id];
+        assert_eq!(header(AGGREGATE_ID), order.to_string());
+        assert_eq!(
+            message.subject.as_str(),
+            format!("{}.order.OrderPlaced", stream.prefix)
+        );
+        let body = outbox_core::decode::<OrderPlaced>(&message.payload[..]).unwrap();
+        assert_eq!((body.event.order, body.event.seq), (order, seq));
+        if let Some(&(before, before_seq)) = last.get(&order) {
+            assert!(
+                before < id && before_seq + 1 == seq,
+                "order {order}: event {id} (seq {seq}) after {before} (seq {before_seq})"
+            );
+        } else {
+            assert_eq!(seq, 0, "order {order} starts with its first event");
+        }
+        last.insert(order, (id, seq));
+    }
+    assert_eq!(last.len(), AGGREGATES);
+    println!(
+        "{EVENTS} events over {AGGREGATES} aggregates, {KILLS} relays killed \
+         ({published_while_killing} in the stream by then), {redelivered} events claimed again \
+         after a kill; the stream holds each once, in commit order per aggregate"
+    );
+}
