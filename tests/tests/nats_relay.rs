@@ -5,6 +5,9 @@
 //!
 //! The relay is this test binary run again with `OUTBOX_NATS_DATABASE` set: see
 //! `nats_relay_process`, which does nothing when run without it.
+//!
+//! And the wire format read by a client this project did not write: nats-py (from PyPI,
+//! installed by the test into the target directory), running `tests/python/check_stream.py`.
 
 use std::collections::HashMap;
 use std::process::{Child, Command, Stdio};
@@ -203,19 +206,7 @@ async fn events_reach_jetstream_once_in_commit_order_though_the_relay_is_killed(
     }
     let published_while_killing = stream.messages().await;
     let relay = RelayProcess::start(&url, &stream.prefix);
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
-    loop {
-        let status = outbox.status().await.unwrap();
-        if status.pending_events == 0 && status.pending_deliveries == 0 {
-            assert_eq!(status.dead_letters, 0, "{status:?}");
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "not delivered in 120 s: {status:?}"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_delivered(&outbox, Duration::from_secs(120)).await;
     relay.kill();
     assert!(
         published_while_killing > 0,
@@ -287,5 +278,124 @@ async fn events_reach_jetstream_once_in_commit_order_though_the_relay_is_killed(
         "{EVENTS} events over {AGGREGATES} aggregates, {KILLS} relays killed \
          ({published_while_killing} in the stream by then), {redelivered} events claimed again \
          after a kill; the stream holds each once, in commit order per aggregate"
+    );
+}
+
+/// Waits until nothing is left to deliver and nothing is dead; panics after `limit`.
+async fn wait_until_delivered(outbox: &Outbox<Postgres, Shop>, limit: Duration) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let status = outbox.status().await.unwrap();
+        if status.pending_events == 0 && status.pending_deliveries == 0 {
+            assert_eq!(status.dead_letters, 0, "{status:?}");
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not delivered in {limit:?}: {status:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Runs a relay in this process until everything is delivered.
+async fn relay_until_delivered(outbox: &Outbox<Postgres, Shop>, publisher: JetStreamPublisher) {
+    let relay = outbox
+        .relay(
+            Shop {
+                broker: Broker(publisher),
+            },
+            RelayConfig::default().with_poll_interval(Duration::from_millis(20)),
+        )
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                stopped.await.ok();
+            })
+            .await;
+    });
+    wait_until_delivered(outbox, Duration::from_secs(60)).await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+}
+
+/// nats-py, installed once into the target directory.
+fn nats_py() -> std::path::PathBuf {
+    let dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("nats-py-2.16.0");
+    if !dir.join("nats").is_dir() {
+        let status = Command::new("python3")
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .arg("--target")
+            .arg(&dir)
+            .arg("nats-py==2.16.0")
+            .status()
+            .expect("python3 runs");
+        assert!(status.success(), "pip could not install nats-py");
+    }
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_this_project_did_not_write_reads_the_stream_as_promised() {
+    const ORDERS: usize = 10;
+    const PER_ORDER: usize = 100;
+    let stream = TestStream::new().await;
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Shop> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    let orders: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::new_v4()).collect();
+    for seq in 0..PER_ORDER {
+        let mut tx = outbox.begin().await.unwrap();
+        // Half the commits belong to a business flow: their correlation id travels too.
+        if seq % 2 == 0 {
+            tx.set_metadata(outbox_core::Metadata::new().with_correlation_id(Uuid::new_v4()));
+        }
+        for &order in &orders {
+            let seq = u32::try_from(seq).unwrap();
+            tx.publish(&OrderPlaced { order, seq }).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let publisher = JetStreamPublisher::new(jetstream().await).with_subject_prefix(&stream.prefix);
+    relay_until_delivered(&outbox, publisher).await;
+
+    let url = nats_url();
+    let url = if url.contains("://") {
+        url
+    } else {
+        format!("nats://{url}")
+    };
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/python/check_stream.py");
+    let output = Command::new("python3")
+        .arg(script)
+        .args([
+            url.as_str(),
+            stream.name.as_str(),
+            stream.prefix.as_str(),
+            &(ORDERS * PER_ORDER).to_string(),
+        ])
+        .env("PYTHONPATH", nats_py())
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&output.stdout);
+    assert!(
+        output.status.success(),
+        "nats-py found a fault: {stdout}{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let summary: serde_json::Value = serde_json::from_str(stdout.trim()).unwrap();
+    assert_eq!(
+        summary,
+        serde_json::json!({
+            "ok": true, "messages": ORDERS * PER_ORDER, "aggregates": ORDERS, "versions": [1]
+        })
     );
 }
