@@ -6,6 +6,9 @@
 //! The relay is this test binary run again with `OUTBOX_NATS_DATABASE` set: see
 //! `nats_relay_process`, which does nothing when run without it.
 //!
+//! The broker down for 10 s mid-run (a nats-server of the test's own, killed and started again
+//! on the same store): nothing lost, nothing twice, the backlog drained after.
+//!
 //! And the wire format read by a client this project did not write: nats-py (from PyPI,
 //! installed by the test into the target directory), running `tests/python/check_stream.py`.
 
@@ -397,5 +400,169 @@ async fn a_client_this_project_did_not_write_reads_the_stream_as_promised() {
         serde_json::json!({
             "ok": true, "messages": ORDERS * PER_ORDER, "aggregates": ORDERS, "versions": [1]
         })
+    );
+}
+
+/// A nats-server of the test's own, on a free port, storing JetStream data in a directory that
+/// outlives its restarts.
+struct PrivateNats {
+    port: u16,
+    store: tempfile::TempDir,
+    process: Option<Child>,
+}
+
+impl PrivateNats {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let mut server = Self {
+            port,
+            store: tempfile::tempdir().unwrap(),
+            process: None,
+        };
+        server.up();
+        server
+    }
+
+    fn url(&self) -> String {
+        format!("127.0.0.1:{}", self.port)
+    }
+
+    /// Starts the server and waits until it takes connections.
+    fn up(&mut self) {
+        let child = Command::new("nats-server")
+            .args([
+                "-a",
+                "127.0.0.1",
+                "-p",
+                &self.port.to_string(),
+                "-js",
+                "-sd",
+            ])
+            .arg(self.store.path())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("nats-server runs (Debian's nats-server package)");
+        self.process = Some(child);
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "nats-server did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// SIGKILL: the broker vanishes.
+    fn kill(&mut self) {
+        if let Some(mut child) = self.process.take() {
+            child.kill().unwrap();
+            child.wait().unwrap();
+        }
+    }
+}
+
+impl Drop for PrivateNats {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_down_for_ten_seconds_loses_nothing_and_doubles_nothing() {
+    const ORDERS: usize = 20;
+    let mut nats = PrivateNats::start();
+    let client = async_nats::ConnectOptions::new()
+        .retry_on_initial_connect()
+        .connect(nats.url())
+        .await
+        .unwrap();
+    let jetstream = jetstream::new(client);
+    outbox_nats::ensure_stream(
+        &jetstream,
+        outbox_nats::stream_config("ORDERS", ["outbox.>"]),
+    )
+    .await
+    .unwrap();
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Shop> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    let relay = outbox
+        .relay(
+            Shop {
+                broker: Broker(JetStreamPublisher::new(jetstream.clone())),
+            },
+            RelayConfig::default()
+                .with_poll_interval(Duration::from_millis(20))
+                // Failures while the broker is away are retried every 500 ms, for 50 s.
+                .with_retry(RetryPolicy::new([Duration::from_millis(500); 100]).unwrap()),
+        )
+        .unwrap();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        relay
+            .run(async {
+                stopped.await.ok();
+            })
+            .await;
+    });
+
+    // Producers commit one event per order every 20 ms, before, during and after the outage.
+    let orders: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::new_v4()).collect();
+    let producing = {
+        let (outbox, orders) = (outbox.clone(), orders.clone());
+        tokio::spawn(async move {
+            let mut seq = 0_u32;
+            let start = tokio::time::Instant::now();
+            while start.elapsed() < Duration::from_secs(14) {
+                let mut tx = outbox.begin().await.unwrap();
+                for &order in &orders {
+                    tx.publish(&OrderPlaced { order, seq }).await.unwrap();
+                }
+                tx.commit().await.unwrap();
+                seq += 1;
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seq
+        })
+    };
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut before_outage = jetstream.get_stream("ORDERS").await.unwrap();
+    let stored_before = before_outage.info().await.unwrap().state.messages;
+    nats.kill();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let status = outbox.status().await.unwrap();
+    let pending_during_outage = status.pending_events + status.pending_deliveries;
+    nats.up();
+    let rounds = producing.await.unwrap() as usize;
+    wait_until_delivered(&outbox, Duration::from_secs(60)).await;
+    stop.send(()).unwrap();
+    running.await.unwrap();
+
+    let events = ORDERS * rounds;
+    let stream = jetstream.get_stream("ORDERS").await.unwrap();
+    let mut stored = stream.clone();
+    assert_eq!(
+        stored.info().await.unwrap().state.messages,
+        events as u64,
+        "each event once in the stream"
+    );
+    let mut next: HashMap<Uuid, u32> = HashMap::new();
+    for sequence in 1..=events as u64 {
+        let message = stream.get_raw_message(sequence).await.unwrap();
+        let body = outbox_core::decode::<OrderPlaced>(&message.payload[..]).unwrap();
+        let expected = next.entry(body.event.order).or_insert(0);
+        assert_eq!(body.event.seq, *expected, "order {}", body.event.order);
+        *expected += 1;
+    }
+    assert!(stored_before > 0 && pending_during_outage > 0);
+    println!(
+        "{events} events: {stored_before} in the stream before the outage, {pending_during_outage} \
+         events or deliveries waiting when the broker came back; each once after, in order per aggregate"
     );
 }
