@@ -7,12 +7,13 @@
 //! ```
 //!
 //! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
-//! `failures`, `transactional` (h), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
+//! `failures`, `transactional` (h), `nats` (i: needs a NATS server with JetStream at
+//! 127.0.0.1:4222 or `NATS_URL`), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
 //! `--pressure-minutes N` (5),
 //! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`,
-//! `transactional` and the tuned `drain`; the defaults otherwise).
+//! `transactional`, `nats` and the tuned `drain`; the defaults otherwise).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
 //! alternate in half-second slices on one database (producer, drain), or probe by probe
 //! (sustained), so that the machine's noise falls on both alike.
@@ -31,6 +32,8 @@ use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
 use serde::{Deserialize, Serialize};
 
+#[path = "outbox/nats.rs"]
+mod nats;
 #[path = "outbox/pressure.rs"]
 mod pressure;
 #[path = "outbox/work.rs"]
@@ -145,6 +148,7 @@ fn options() -> Options {
             "writes",
             "failures",
             "transactional",
+            "nats",
         ]
         .map(str::to_owned)
         .to_vec();
@@ -956,6 +960,7 @@ async fn main() {
             "transactional" => {
                 work::transactional_handlers(options.runs, &options.config()).await;
             }
+            "nats" => nats::relay_to_jetstream(options.runs, &options.config()).await,
             "pressure" => {
                 let half = sustained_half(&options).await;
                 pressure::pressure(half, options.pressure_minutes, 2).await;
