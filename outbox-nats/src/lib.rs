@@ -1,4 +1,5 @@
-//! Relays outbox events to a NATS JetStream stream, so that other services learn what happened.
+//! Relays outbox events to a NATS JetStream stream, so that other services learn what happened,
+//! and consumes them there ([`JetStreamConsumer`]).
 //!
 //! [`JetStreamPublisher`] publishes the events a relay hands it: as an `#[observer]` of a router
 //! (every event), or inside a subscriber of the events to share (see below). Each event becomes
@@ -66,6 +67,8 @@
 //! # }
 //! ```
 
+mod consumer;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -74,6 +77,8 @@ use async_nats::jetstream::context::{CreateStreamError, PublishError, PublishErr
 use async_nats::jetstream::message::PublishMessage;
 use async_nats::jetstream::{self, stream};
 use outbox_core::{Delivery, HandlerError, Observer, RawEnvelope, StoredEvent};
+
+pub use consumer::{ConsumeError, JetStreamConsumer, consumer_config};
 
 /// Header: the stored event's id.
 pub const EVENT_ID: &str = "Outbox-Event-Id";

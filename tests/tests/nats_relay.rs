@@ -9,6 +9,10 @@
 //! The broker down for 10 s mid-run (a nats-server of the test's own, killed and started again
 //! on the same store): nothing lost, nothing twice, the backlog drained after.
 //!
+//! The consuming side: a service's `JetStreamConsumer` process killed at random, messages coming
+//! again (a kill before the ack, `AckWait` expiry, failed handlers): each event's effect exactly
+//! once, each aggregate's first handlings in commit order.
+//!
 //! And the wire format read by a client this project did not write: nats-py (from PyPI,
 //! installed by the test into the target directory), running `tests/python/check_stream.py`.
 
@@ -564,5 +568,208 @@ async fn a_broker_down_for_ten_seconds_loses_nothing_and_doubles_nothing() {
     println!(
         "{events} events: {stored_before} in the stream before the outage, {pending_during_outage} \
          events or deliveries waiting when the broker came back; each once after, in order per aggregate"
+    );
+}
+
+/// The consuming service's subscriber: applies each order to its ledger exactly once
+/// (`handle_once`: the effect and the inbox record in one transaction), and logs every call.
+#[subscriber(events = [OrderPlaced], name = "ledger")]
+struct Ledger {
+    outbox: Outbox<Postgres, Books>,
+}
+
+impl Handle<OrderPlaced> for Ledger {
+    async fn handle(
+        &self,
+        event: &OrderPlaced,
+        delivery: &Delivery<'_>,
+    ) -> Result<(), HandlerError> {
+        sqlx::query("INSERT INTO calls (event_id) VALUES ($1)")
+            .bind(delivery.event().id)
+            .execute(self.outbox.pool())
+            .await?;
+        // Some first attempts fail: the message comes again after the retry delay.
+        if delivery.attempt() == 1 && event.seq % 7 == 3 {
+            return Err(HandlerError::transient("scripted failure"));
+        }
+        self.outbox
+            .handle_once(delivery, |mut tx| async move {
+                sqlx::query("INSERT INTO ledger (event_id, order_id, seq) VALUES ($1, $2, $3)")
+                    .bind(delivery.event().id)
+                    .bind(event.order)
+                    .bind(i64::from(event.seq))
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(tx)
+            })
+            .await?;
+        let id = delivery.event().id;
+        if delivery.attempt() == 1 && event.seq % 7 == 5 {
+            // Committed, but the acknowledgement is lost: the message comes again.
+            return Err(HandlerError::transient("scripted: the ack is lost"));
+        }
+        if delivery.attempt() == 1 && id % 97 == 0 {
+            // Committed, then slower than the consumer's AckWait: the server sends it again.
+            tokio::time::sleep(Duration::from_millis(1500)).await;
+        }
+        Ok(())
+    }
+}
+
+#[router(events = [OrderPlaced], database = sqlx::Postgres)]
+struct Books {
+    ledger: Ledger,
+}
+
+/// The consuming service, when started by the test below.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the consumer process of a_consumer_applies_each_event_once_in_order_though_killed"]
+async fn nats_consumer_process() {
+    let Ok(url) = std::env::var("OUTBOX_NATS_CONSUMER_DATABASE") else {
+        return;
+    };
+    let stream_name = std::env::var("OUTBOX_NATS_STREAM").unwrap();
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect(&url)
+        .await
+        .unwrap();
+    let outbox: Outbox<Postgres, Books> = Outbox::new(pool);
+    let jetstream = jetstream().await;
+    let stream = jetstream.get_stream(&stream_name).await.unwrap();
+    let consumer = stream
+        .get_consumer::<jetstream::consumer::pull::Config>("books")
+        .await
+        .unwrap();
+    let consumer = outbox_nats::JetStreamConsumer::new(
+        consumer,
+        Books {
+            ledger: Ledger { outbox },
+        },
+    )
+    .with_retry_delay(Duration::from_millis(50));
+    consumer.run(std::future::pending()).await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_applies_each_event_once_in_order_though_killed() {
+    const ORDERS: usize = 20;
+    const PER_ORDER: usize = 25;
+    let stream = TestStream::new().await;
+
+    // The producing service fills the stream.
+    let producer_db = TestDb::new().await;
+    let producer: Outbox<Postgres, Shop> = Outbox::new(producer_db.pool.clone());
+    producer.migrate().await.unwrap();
+    let orders: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::new_v4()).collect();
+    for seq in 0..PER_ORDER {
+        let mut tx = producer.begin().await.unwrap();
+        for &order in &orders {
+            let seq = u32::try_from(seq).unwrap();
+            tx.publish(&OrderPlaced { order, seq }).await.unwrap();
+        }
+        tx.commit().await.unwrap();
+    }
+    let publisher = JetStreamPublisher::new(jetstream().await).with_subject_prefix(&stream.prefix);
+    relay_until_delivered(&producer, publisher).await;
+    let events = ORDERS * PER_ORDER;
+
+    // The consuming service: its own database, its durable consumer (a message not acknowledged
+    // within a second comes again).
+    let db = TestDb::new().await;
+    Outbox::<Postgres, Books>::new(db.pool.clone())
+        .migrate()
+        .await
+        .unwrap();
+    sqlx::raw_sql(
+        "CREATE TABLE ledger (n BIGSERIAL, event_id BIGINT PRIMARY KEY, order_id UUID NOT NULL,
+                              seq BIGINT NOT NULL);
+         CREATE TABLE calls (event_id BIGINT NOT NULL);",
+    )
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let js_stream = stream.jetstream.get_stream(&stream.name).await.unwrap();
+    js_stream
+        .create_consumer(outbox_nats::consumer_config(
+            "books",
+            &format!("{}.>", stream.prefix),
+            Duration::from_secs(1),
+        ))
+        .await
+        .unwrap();
+    let start = |url: &str| {
+        let child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "nats_consumer_process",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("OUTBOX_NATS_CONSUMER_DATABASE", url)
+            .env("OUTBOX_NATS_STREAM", &stream.name)
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("start the consumer process");
+        RelayProcess(child)
+    };
+    let count = |sql: &'static str| {
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query_scalar::<_, i64>(sql)
+                .fetch_one(&pool)
+                .await
+                .unwrap()
+        }
+    };
+    let url = db.url();
+    for _ in 0..5 {
+        let consumer = start(&url);
+        tokio::time::sleep(Duration::from_millis(fastrand::u64(200..600))).await;
+        consumer.kill();
+    }
+    let applied_while_killing = count("SELECT count(*) FROM ledger").await;
+    let consumer = start(&url);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    while count("SELECT count(*) FROM ledger").await < events as i64 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not consumed in 90 s"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    consumer.kill();
+
+    // Exactly one effect per event (the primary key would have refused a second), one inbox
+    // record each, and each order's effects in commit order.
+    assert_eq!(count("SELECT count(*) FROM ledger").await, events as i64);
+    assert_eq!(
+        count("SELECT count(*) FROM events.outbox_inbox").await,
+        events as i64
+    );
+    let rows: Vec<(Uuid, i64)> = sqlx::query_as("SELECT order_id, seq FROM ledger ORDER BY n")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let mut next: HashMap<Uuid, i64> = HashMap::new();
+    for (order, seq) in rows {
+        let expected = next.entry(order).or_insert(0);
+        assert_eq!(seq, *expected, "order {order}");
+        *expected += 1;
+    }
+    let calls = count("SELECT count(*) FROM calls").await;
+    // Every event with a scripted failure or a lost ack came at least twice.
+    let scripted = (0..PER_ORDER).filter(|s| s % 7 == 3 || s % 7 == 5).count() * ORDERS;
+    assert!(
+        calls >= (events + scripted) as i64,
+        "messages came again: {calls} calls for {events} events"
+    );
+    assert!(
+        applied_while_killing > 0,
+        "the killed consumers applied nothing"
+    );
+    println!(
+        "{events} events consumed by 6 consumer processes (5 killed, {applied_while_killing} \
+         applied by then): {calls} handler calls, one effect each, in order per order"
     );
 }
