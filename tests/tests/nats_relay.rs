@@ -773,3 +773,19 @@ async fn a_consumer_applies_each_event_once_in_order_though_killed() {
          applied by then): {calls} handler calls, one effect each, in order per order"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_orders_example_carries_each_order_to_the_shipping_service_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let crossed = outbox_examples::orders::run(&nats_url(), dir.path())
+        .await
+        .unwrap();
+    assert_eq!(
+        crossed,
+        outbox_examples::orders::Crossed {
+            orders: 3,
+            messages: 3,
+            shipments: 3
+        }
+    );
+}
