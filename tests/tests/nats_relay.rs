@@ -789,3 +789,69 @@ async fn the_orders_example_carries_each_order_to_the_shipping_service_once() {
         }
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_stream_is_a_transient_error_that_says_so() {
+    use outbox_tests::backend::TestBackend;
+    let db = TestDb::new().await;
+    let outbox: Outbox<Postgres, Shop> = Outbox::new(db.pool.clone());
+    outbox.migrate().await.unwrap();
+    let mut tx = outbox.begin().await.unwrap();
+    let order = Uuid::new_v4();
+    tx.publish(&OrderPlaced { order, seq: 0 }).await.unwrap();
+    tx.commit().await.unwrap();
+    let id = <Postgres as TestBackend>::events(&db.pool).await[0].id;
+
+    // No stream takes the subjects yet.
+    let jetstream = jetstream().await;
+    let prefix = format!("nostream{}", Uuid::new_v4().simple());
+    let relay = outbox
+        .relay(
+            Shop {
+                broker: Broker(
+                    JetStreamPublisher::new(jetstream.clone()).with_subject_prefix(&prefix),
+                ),
+            },
+            RelayConfig::default()
+                .with_retry_in_place(Duration::ZERO)
+                .with_retry(RetryPolicy::new([Duration::from_millis(10); 5]).unwrap()),
+        )
+        .unwrap();
+    let report = relay.run_once().await.unwrap();
+    assert_eq!(report.retried, 1, "{report:?}");
+    let row = <Postgres as TestBackend>::delivery(&db.pool, "jetstream", id)
+        .await
+        .expect("a delivery row for the retry");
+    let error = row.last_error.unwrap();
+    assert!(
+        error.contains("no JetStream stream takes the subject")
+            && error.contains(&format!("{prefix}.order.OrderPlaced")),
+        "{error}"
+    );
+
+    // Once the stream exists, the retry goes through.
+    let name = format!("OUTBOX_TEST_{}", Uuid::new_v4().simple());
+    outbox_nats::ensure_stream(
+        &jetstream,
+        outbox_nats::stream_config(name.clone(), [format!("{prefix}.>")]),
+    )
+    .await
+    .unwrap();
+    // (The retry is due 10 ms after the failure: batches until it is made.)
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let report = relay.run_once().await.unwrap();
+        if report.delivered == 1 {
+            break;
+        }
+        assert_eq!(report.retried, 0, "the retry failed again: {report:?}");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the retry never came"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mut stream = jetstream.get_stream(&name).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, 1);
+    jetstream.delete_stream(&name).await.unwrap();
+}
