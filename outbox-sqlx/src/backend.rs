@@ -88,6 +88,18 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         message_id: &str,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// [`hold_claim`](Self::hold_claim) of `token`, then, if it is live, [`receive`](Self::receive)
+    /// of `message_id` by `consumer`, in the transaction of `conn`: `None` when the claim is lost
+    /// (nothing recorded), else whether the message is new.
+    #[doc(hidden)]
+    fn hold_and_receive(
+        conn: &mut Self::Connection,
+        queries: &Self::Queries,
+        token: ClaimToken,
+        consumer: &str,
+        message_id: &str,
+    ) -> impl Future<Output = Result<Option<bool>, sqlx::Error>> + Send;
+
     /// Deletes up to `batch_size` inbox records older than `older_than`, oldest first.
     #[doc(hidden)]
     fn purge_inbox(

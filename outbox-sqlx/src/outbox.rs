@@ -6,6 +6,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use crate::backend::{Backend, PurgedUpTo, SubscriberStatus};
 use crate::error::Error;
+use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
@@ -336,20 +337,30 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Fut: Future<Output = Result<OutboxTx<'static, DB, R>, HandlerError>> + Send,
     {
         let mut tx = self.begin().await?;
-        if let Some(token) = delivery.claim_token()
-            && !self.hold_claim(&mut tx, token).await?
-        {
-            return Err(HandlerError::transient(
-                "the claim of this delivery was lost (its lease expired and another relay may \
-                 deliver it): nothing was written",
-            ));
-        }
         let event = delivery.event();
-        if tx
-            .receive(delivery.subscriber(), &event.id.to_string())
-            .await?
-            .is_duplicate()
-        {
+        let (consumer, message_id) = (delivery.subscriber(), event.id.to_string());
+        let received = match delivery.claim_token() {
+            // The claim's lock and the inbox record in one round trip.
+            Some(token) => {
+                crate::inbox::check(consumer, &message_id)?;
+                let held =
+                    DB::hold_and_receive(&mut tx, self.queries(), token, consumer, &message_id)
+                        .await?;
+                match held {
+                    None => {
+                        return Err(HandlerError::transient(
+                            "the claim of this delivery was lost (its lease expired and another \
+                             relay may deliver it): nothing was written",
+                        ));
+                    }
+                    Some(true) => Received::New,
+                    Some(false) => Received::Duplicate,
+                }
+            }
+            // A delivery that no claim fences (a consumer of a broker, a test kit delivery).
+            None => tx.receive(consumer, &message_id).await?,
+        };
+        if received.is_duplicate() {
             tx.rollback().await?;
             tracing::debug!(
                 event_id = event.id,

@@ -84,6 +84,7 @@ pub struct PgQueries {
     renew: SqlStr,
     hold_claim: SqlStr,
     receive: SqlStr,
+    hold_and_receive: SqlStr,
     purge_inbox: SqlStr,
     /// `record` when every claimed event was simply published: the common case, made cheap.
     record_published: SqlStr,
@@ -473,6 +474,21 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL, NULL,
             // for its end: a duplicate if it committed, recorded here if it rolled back.
             receive: sql(format!(
                 "INSERT INTO {inbox} (consumer, message_id) VALUES ($1, $2) ON CONFLICT DO NOTHING"
+            )),
+            // `hold_claim` and `receive` in one round trip: the record only under a live claim.
+            hold_and_receive: sql(format!(
+                r#"
+WITH held AS (
+    SELECT set_config('idle_in_transaction_session_timeout', '{IDLE_TIMEOUT}', true)
+    FROM {claims} WHERE id = $3 AND until >= clock_timestamp() FOR KEY SHARE
+),
+received AS (
+    INSERT INTO {inbox} (consumer, message_id)
+    SELECT $1, $2 WHERE EXISTS (SELECT 1 FROM held)
+    ON CONFLICT DO NOTHING
+    RETURNING 1
+)
+SELECT EXISTS (SELECT 1 FROM held), EXISTS (SELECT 1 FROM received)"#
             )),
             purge_inbox: sql(format!(
                 r#"
@@ -1027,6 +1043,22 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .await?
             .rows_affected();
         Ok(inserted == 1)
+    }
+
+    async fn hold_and_receive(
+        conn: &mut PgConnection,
+        queries: &PgQueries,
+        token: ClaimToken,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<bool>, sqlx::Error> {
+        let (held, new): (bool, bool) = sqlx::query_as(queries.hold_and_receive.clone())
+            .bind(consumer)
+            .bind(message_id)
+            .bind(token.get())
+            .fetch_one(conn)
+            .await?;
+        Ok(held.then_some(new))
     }
 
     async fn purge_inbox(

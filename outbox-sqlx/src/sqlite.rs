@@ -794,6 +794,22 @@ LIMIT $4"#
         Ok(inserted == 1)
     }
 
+    async fn hold_and_receive(
+        conn: &mut SqliteConnection,
+        queries: &SqliteQueries,
+        token: ClaimToken,
+        consumer: &str,
+        message_id: &str,
+    ) -> Result<Option<bool>, sqlx::Error> {
+        // Two statements: the transaction holds the database's write lock from the first.
+        if !Self::hold_claim(&mut *conn, queries, token).await? {
+            return Ok(None);
+        }
+        Ok(Some(
+            Self::receive(conn, queries, consumer, message_id).await?,
+        ))
+    }
+
     async fn purge_inbox(
         pool: &SqlitePool,
         queries: &SqliteQueries,
