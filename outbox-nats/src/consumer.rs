@@ -44,6 +44,8 @@ pub fn consumer_config(durable: &str, filter: &str, ack_wait: Duration) -> pull:
 /// id per subscriber, in the transaction of the effects) or idempotent. A message that is not an outbox event (a header missing or
 /// unreadable) is terminated for this consumer and logged: it stays in the stream. An event
 /// type this build does not know is delivered again after the park delay, for a newer build.
+/// With one message in flight, a message that keeps failing holds back every later one until
+/// it succeeds (there is no dead-letter table on the consuming side yet): the log says which.
 pub struct JetStreamConsumer<R> {
     consumer: PullConsumer,
     router: R,
