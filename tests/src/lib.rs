@@ -6,11 +6,14 @@
 //!   PostgreSQL and on a SQLite file; [`server`] starts a PostgreSQL server of a test's own, for
 //!   tests that restart it.
 //! - [`kit`] has scripted subscribers and the routers that combine them, for relay tests.
+//! - [`process`] runs an ignored test of the current binary as a process of its own (a relay
+//!   that a test kills).
 //! - [`seed`] is the seed's dispatcher as a router.
 
 pub mod backend;
 pub mod kit;
 pub mod pg;
+pub mod process;
 pub mod seed;
 pub mod server;
 

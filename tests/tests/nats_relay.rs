@@ -29,6 +29,7 @@ use outbox_nats::{
 };
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
+use outbox_tests::process::TestProcess;
 use serde::{Deserialize, Serialize};
 use sqlx::Postgres;
 use uuid::Uuid;
@@ -106,35 +107,6 @@ async fn nats_relay_process() {
     relay.run(std::future::pending()).await;
 }
 
-/// Kills the relay when the test ends, also when it fails.
-struct RelayProcess(Child);
-
-impl RelayProcess {
-    fn start(database: &str, prefix: &str) -> Self {
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args(["nats_relay_process", "--exact", "--ignored", "--nocapture"])
-            .env("OUTBOX_NATS_DATABASE", database)
-            .env("OUTBOX_NATS_PREFIX", prefix)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start the relay process");
-        Self(child)
-    }
-
-    /// SIGKILL: no shutdown, no last record.
-    fn kill(mut self) {
-        self.0.kill().expect("kill the relay");
-        self.0.wait().expect("reap the relay");
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
 /// A stream of the test's own, deleted when dropped.
 struct TestStream {
     jetstream: jetstream::Context,
@@ -207,12 +179,24 @@ async fn events_reach_jetstream_once_in_commit_order_though_the_relay_is_killed(
     // The fault schedule: each relay runs for a random 100 to 600 ms, then dies.
     let url = db.url();
     for _ in 0..KILLS {
-        let relay = RelayProcess::start(&url, &stream.prefix);
+        let relay = TestProcess::start(
+            "nats_relay_process",
+            &[
+                ("OUTBOX_NATS_DATABASE", &url),
+                ("OUTBOX_NATS_PREFIX", &stream.prefix),
+            ],
+        );
         tokio::time::sleep(Duration::from_millis(fastrand::u64(100..600))).await;
         relay.kill();
     }
     let published_while_killing = stream.messages().await;
-    let relay = RelayProcess::start(&url, &stream.prefix);
+    let relay = TestProcess::start(
+        "nats_relay_process",
+        &[
+            ("OUTBOX_NATS_DATABASE", &url),
+            ("OUTBOX_NATS_PREFIX", &stream.prefix),
+        ],
+    );
     wait_until_delivered(&outbox, Duration::from_secs(120)).await;
     relay.kill();
     assert!(
@@ -699,19 +683,13 @@ async fn a_consumer_applies_each_event_once_in_order_though_killed() {
         .await
         .unwrap();
     let start = |url: &str| {
-        let child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "nats_consumer_process",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-            ])
-            .env("OUTBOX_NATS_CONSUMER_DATABASE", url)
-            .env("OUTBOX_NATS_STREAM", &stream.name)
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("start the consumer process");
-        RelayProcess(child)
+        TestProcess::start(
+            "nats_consumer_process",
+            &[
+                ("OUTBOX_NATS_CONSUMER_DATABASE", url),
+                ("OUTBOX_NATS_STREAM", &stream.name),
+            ],
+        )
     };
     let count = |sql: &'static str| {
         let pool = db.pool.clone();

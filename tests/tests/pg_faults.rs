@@ -22,6 +22,7 @@ use outbox_core::{
 };
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::pg::TestDb;
+use outbox_tests::process::TestProcess;
 use outbox_tests::server::{PrivateServer, StopMode};
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
@@ -168,50 +169,11 @@ async fn relay_process() {
     }
 }
 
-/// Kills the relay when the test ends, also when it fails.
-struct RelayProcess(Child);
-
-impl RelayProcess {
-    fn start(url: &str) -> Self {
-        Self::start_with(url, false)
-    }
-
-    /// A relay process of the `Ledgers` router.
-    fn start_ledger(url: &str) -> Self {
-        let mut command = Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["relay_process", "--exact", "--ignored", "--nocapture"])
-            .env("OUTBOX_FAULTS_DATABASE", url)
-            .env("OUTBOX_FAULTS_LEDGER", "1")
-            .stdout(Stdio::null());
-        Self(command.spawn().expect("start the relay process"))
-    }
-
-    /// A relay process at `RelayConfig::default()` when `defaults`.
-    fn start_with(url: &str, defaults: bool) -> Self {
-        let mut command = Command::new(std::env::current_exe().unwrap());
-        command
-            .args(["relay_process", "--exact", "--ignored", "--nocapture"])
-            .env("OUTBOX_FAULTS_DATABASE", url)
-            .stdout(Stdio::null());
-        if defaults {
-            command.env("OUTBOX_FAULTS_DEFAULTS", "1");
-        }
-        Self(command.spawn().expect("start the relay process"))
-    }
-
-    /// SIGKILL: no shutdown, no last record.
-    fn kill(mut self) {
-        self.0.kill().expect("kill the relay");
-        self.0.wait().expect("reap the relay");
-    }
-}
-
-impl Drop for RelayProcess {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
+/// A relay process (`relay_process`) on the database at `url`, with `env` added (see there).
+fn start_relay(url: &str, env: &[(&str, &str)]) -> TestProcess {
+    let mut env = env.to_vec();
+    env.push(("OUTBOX_FAULTS_DATABASE", url));
+    TestProcess::start("relay_process", &env)
 }
 
 async fn count(pool: &PgPool, sql: &'static str) -> i64 {
@@ -341,7 +303,7 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
     let url = db.url();
     let mut delivered_while_killing = 0;
     for _ in 0..KILLS {
-        let relay = RelayProcess::start(&url);
+        let relay = start_relay(&url, &[]);
         tokio::time::sleep(Duration::from_millis(fastrand::u64(50..500))).await;
         relay.kill();
         delivered_while_killing = count(&db.pool, "SELECT count(*) FROM audit").await;
@@ -353,7 +315,7 @@ async fn a_relay_killed_at_random_moments_loses_nothing() {
     );
 
     // A last relay finishes the work, once the dead relays' claims expire.
-    let relay = RelayProcess::start(&url);
+    let relay = start_relay(&url, &[]);
     wait_until_all_audited(&db, &outbox, committed, Duration::from_secs(60)).await;
     relay.kill();
 
@@ -382,12 +344,12 @@ async fn a_transactional_subscriber_in_a_relay_killed_at_random_moments_applies_
     let producers = start_producing(&outbox, &accounts, Duration::from_millis(2));
     let url = db.url();
     for _ in 0..KILLS / 2 {
-        let relay = RelayProcess::start_ledger(&url);
+        let relay = start_relay(&url, &[("OUTBOX_FAULTS_LEDGER", "1")]);
         tokio::time::sleep(Duration::from_millis(fastrand::u64(50..500))).await;
         relay.kill();
     }
     let committed = stop_producing(producers).await;
-    let relay = RelayProcess::start_ledger(&url);
+    let relay = start_relay(&url, &[("OUTBOX_FAULTS_LEDGER", "1")]);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
         let status = outbox.status().await.unwrap();
@@ -462,7 +424,7 @@ async fn a_relay_killed_at_the_defaults_holds_its_aggregates_back_for_about_a_le
         .fetch_one(&db.pool)
     };
     let mut before = last_claim().await;
-    let mut relay = RelayProcess::start_with(&url, true);
+    let mut relay = start_relay(&url, &[("OUTBOX_FAULTS_DEFAULTS", "1")]);
     // Kills not resolved yet: when, and the aggregates the dead relay held.
     let mut unresolved: Vec<(f64, Vec<Uuid>)> = Vec::new();
     let (mut kills, mut waits) = (0, Vec::new());
@@ -515,7 +477,7 @@ async fn a_relay_killed_at_the_defaults_holds_its_aggregates_back_for_about_a_le
                 unresolved.push((at, held));
             }
             before = last_claim().await;
-            relay = RelayProcess::start_with(&url, true);
+            relay = start_relay(&url, &[("OUTBOX_FAULTS_DEFAULTS", "1")]);
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }

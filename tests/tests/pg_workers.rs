@@ -7,7 +7,6 @@
 //! `worker_process`, which does nothing when run without it.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
 use outbox_core::{
@@ -15,6 +14,7 @@ use outbox_core::{
 };
 use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
+use outbox_tests::process::TestProcess;
 use serde::{Deserialize, Serialize};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::{PgPool, Postgres};
@@ -142,18 +142,6 @@ async fn worker_process() {
     relay.run(std::future::pending()).await;
 }
 
-/// Kills the workers when the test ends, also when it fails.
-struct Workers(Vec<Child>);
-
-impl Drop for Workers {
-    fn drop(&mut self) {
-        for child in &mut self.0 {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_worker_processes_keep_order_and_lose_nothing() {
     workers_keep_order(None, 1, AGGREGATES).await;
@@ -226,20 +214,19 @@ async fn workers_keep_order(isolation: Option<&str>, concurrency: usize, aggrega
         .unwrap();
 
     let url = db.url();
-    let workers = Workers(
-        (0..WORKERS)
-            .map(|worker| {
-                Command::new(std::env::current_exe().unwrap())
-                    .args(["worker_process", "--exact", "--ignored", "--nocapture"])
-                    .env("OUTBOX_WORKER_DATABASE", &url)
-                    .env("OUTBOX_WORKER_ID", worker.to_string())
-                    .env("OUTBOX_WORKER_CONCURRENCY", concurrency.to_string())
-                    .stdout(Stdio::null())
-                    .spawn()
-                    .expect("start a worker process")
-            })
-            .collect(),
-    );
+    let (concurrency, url) = (concurrency.to_string(), url.clone());
+    let workers: Vec<TestProcess> = (0..WORKERS)
+        .map(|worker| {
+            TestProcess::start(
+                "worker_process",
+                &[
+                    ("OUTBOX_WORKER_DATABASE", &url),
+                    ("OUTBOX_WORKER_ID", &worker.to_string()),
+                    ("OUTBOX_WORKER_CONCURRENCY", &concurrency),
+                ],
+            )
+        })
+        .collect();
 
     // Producers: each commit bumps an aggregate's version (the row lock orders writers of one
     // aggregate) and publishes that version.
