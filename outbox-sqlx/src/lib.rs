@@ -84,7 +84,7 @@ pub use inbox::Received;
 pub use names::TableNames;
 pub use outbox::{DeadLetter, Outbox, SqlStore};
 pub use outbox_core as core;
-pub use outbox_core::store::Status;
+pub use outbox_core::store::{Requeue, Status};
 pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
 };

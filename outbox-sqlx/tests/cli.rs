@@ -169,9 +169,18 @@ async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
     assert_eq!(status["pending_deliveries"], 1, "{status}");
     let stderr = fails(Some(&db), &["requeue", &delivered.to_string()], 1);
     assert!(stderr.contains("nothing to requeue"), "{stderr}");
-    assert_eq!(
-        json_of(&db, &["requeue", "--subscriber", "y"]),
-        json!({"requeued": 0})
+    // Nothing to requeue exits 1, for a subscriber as for event ids; a misspelt subscriber
+    // is told which subscribers have deliveries.
+    let stderr = fails(Some(&db), &["requeue", "--subscriber", "y"], 1);
+    assert!(
+        stderr.contains("nothing to requeue: subscriber `y` has no dead deliveries"),
+        "{stderr}"
+    );
+    let stderr = fails(Some(&db), &["requeue", "--subscriber", "yy"], 1);
+    assert!(
+        stderr.contains("nothing to requeue: subscriber `yy` has no dead deliveries")
+            && stderr.contains("subscribers with deliveries: y"),
+        "{stderr}"
     );
 
     let skip_y = [

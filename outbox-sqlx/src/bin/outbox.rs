@@ -239,12 +239,31 @@ async fn run<DB: Backend>(
                 None => Requeue::Events(args.ids.clone()),
             };
             let changed = outbox.requeue(&which).await?;
-            if changed == 0 && args.subscriber.is_none() {
-                return Err(Failure(format!(
-                    "nothing to requeue: none of the events {:?} is dead, parked or has a dead \
-                     delivery",
-                    args.ids
-                )));
+            if changed == 0 {
+                return Err(Failure(match &args.subscriber {
+                    Some(subscriber) => {
+                        let known: Vec<String> = outbox
+                            .subscribers()
+                            .await?
+                            .into_iter()
+                            .map(|s| s.subscriber)
+                            .collect();
+                        let known = if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        };
+                        format!(
+                            "nothing to requeue: subscriber `{subscriber}` has no dead \
+                             deliveries (subscribers with deliveries: {known})"
+                        )
+                    }
+                    None => format!(
+                        "nothing to requeue: none of the events {:?} is dead, parked or has a \
+                         dead delivery",
+                        args.ids
+                    ),
+                }));
             }
             Ok(say(
                 json,
