@@ -833,3 +833,113 @@ async fn a_missing_stream_is_a_transient_error_that_says_so() {
     assert_eq!(stream.info().await.unwrap().state.messages, 1);
     jetstream.delete_stream(&name).await.unwrap();
 }
+
+/// A stored `OrderPlaced`, as a relay would hand it to a subscriber.
+fn stored_order(id: i64, order: Uuid, seq: u32) -> outbox_core::StoredEvent {
+    outbox_core::StoredEvent {
+        id,
+        aggregate_type: "order".to_owned(),
+        aggregate_id: order,
+        event_type: "OrderPlaced".to_owned(),
+        payload: outbox_core::encode(&OrderPlaced { order, seq }, &outbox_core::Metadata::new())
+            .unwrap(),
+        occurred_at: time::OffsetDateTime::now_utc(),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_a_server_would_refuse_is_a_permanent_error_that_says_why() {
+    let publisher = JetStreamPublisher::new(jetstream().await)
+        .with_subject(|event| format!("orders.{} placed", event.aggregate_id));
+    let event = stored_order(7, Uuid::nil(), 0);
+    let metadata = outbox_core::Metadata::new();
+    let error = publisher
+        .publish(&Delivery::new(&event, &metadata, "jetstream", 1))
+        .await
+        .unwrap_err();
+    assert!(!error.is_transient(), "no retry makes that subject valid");
+    assert_eq!(
+        error.error().to_string(),
+        "event 7 (OrderPlaced) cannot be published on the NATS subject \
+         \"orders.00000000-0000-0000-0000-000000000000 placed\": it holds whitespace or a \
+         control character; choose another with JetStreamPublisher::with_subject"
+    );
+}
+
+/// Records the orders a consumer hands it.
+#[subscriber(events = [OrderPlaced], name = "watcher")]
+struct Watcher(std::sync::Arc<std::sync::Mutex<Vec<(Uuid, u32)>>>);
+
+impl Handle<OrderPlaced> for Watcher {
+    async fn handle(&self, event: &OrderPlaced, _: &Delivery<'_>) -> Result<(), HandlerError> {
+        self.0.lock().unwrap().push((event.order, event.seq));
+        Ok(())
+    }
+}
+
+#[router(events = [OrderPlaced])]
+struct Watching {
+    watcher: Watcher,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_is_not_an_outbox_event_is_set_aside_and_the_next_one_delivered() {
+    let stream = TestStream::new().await;
+    let subject = format!("{}.order.OrderPlaced", stream.prefix);
+    // Something other than a relay wrote to the stream: no headers, not an envelope.
+    stream
+        .jetstream
+        .publish(subject.clone(), "hello".into())
+        .await
+        .unwrap()
+        .await
+        .unwrap();
+    let order = Uuid::new_v4();
+    let publisher =
+        JetStreamPublisher::new(stream.jetstream.clone()).with_subject_prefix(&stream.prefix);
+    let event = stored_order(1, order, 0);
+    let metadata = outbox_core::Metadata::new();
+    publisher
+        .publish(&Delivery::new(&event, &metadata, "jetstream", 1))
+        .await
+        .unwrap();
+
+    let js_stream = stream.jetstream.get_stream(&stream.name).await.unwrap();
+    let durable = js_stream
+        .create_consumer(outbox_nats::consumer_config(
+            "watching",
+            &format!("{}.>", stream.prefix),
+            Duration::from_secs(30),
+        ))
+        .await
+        .unwrap();
+    let seen = std::sync::Arc::default();
+    let consumer = outbox_nats::JetStreamConsumer::new(
+        durable,
+        Watching {
+            watcher: Watcher(std::sync::Arc::clone(&seen)),
+        },
+    );
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        consumer
+            .run(async {
+                stopped.await.ok();
+            })
+            .await
+    });
+    let watched = std::sync::Arc::clone(&seen);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while watched.lock().unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the event behind the stray message never came"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    stop.send(()).unwrap();
+    running.await.unwrap().unwrap();
+    assert_eq!(*seen.lock().unwrap(), [(order, 0)]);
+    // The stray message was terminated for this consumer, not lost: it is still in the stream.
+    assert_eq!(stream.messages().await, 2);
+}

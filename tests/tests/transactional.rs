@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use outbox_core::{
     DeliverFuture, Delivery, Handle, HandlerError, Metadata, OutboxEvent, Relay, RelayConfig,
-    RetryPolicy, event_uuid, router, subscriber,
+    RetryPolicy, Store, event_uuid, router, subscriber,
 };
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Ping, WatchedStore, wait_for};
@@ -20,6 +20,7 @@ use uuid::Uuid;
 on_both_backends!(
     a_transactional_subscriber_commits_its_effect_and_its_delivery_together,
     a_follow_up_event_published_in_a_handler_carries_causation_and_correlation,
+    a_lost_claim_writes_nothing_and_says_so,
 );
 
 /// The follow-up event a transactional handler publishes for each `Ping` it handles.
@@ -356,4 +357,42 @@ async fn a_follow_up_event_published_in_a_handler_carries_causation_and_correlat
     }
     // Each follow-up committed with its Ping's effect: one of each.
     assert_eq!(B::effects(outbox.pool()).await.len(), 10);
+}
+
+async fn a_lost_claim_writes_nothing_and_says_so<B: TestBackend>() {
+    let (_db, outbox) = outbox::<B, Books>().await;
+    B::create_effects(outbox.pool()).await;
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Ping {
+        aggregate: Uuid::new_v4(),
+        seq: 0,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let batch = outbox
+        .store()
+        .claim(10, Duration::from_secs(30))
+        .await
+        .unwrap();
+    let event = batch.claims[0].event().unwrap().clone();
+    // The relay stalled past its lease: the claim is over before the handler's transaction.
+    B::expire_claims(outbox.pool()).await;
+    let metadata = Metadata::new();
+    let delivery = Delivery::new(&event, &metadata, "ledger", 1).with_claim(batch.token, 0);
+    let error = outbox
+        .handle_once(&delivery, |mut tx| async move {
+            B::insert_effect(&mut tx, event.id, "ledger").await?;
+            Ok(tx)
+        })
+        .await
+        .unwrap_err();
+    assert!(error.is_transient());
+    assert_eq!(
+        error.error().to_string(),
+        "the claim of this delivery was lost (its lease expired and another relay may deliver \
+         it): nothing was written"
+    );
+    assert!(B::effects(outbox.pool()).await.is_empty());
+    assert_eq!(B::inbox_count(outbox.pool()).await, 0);
 }
