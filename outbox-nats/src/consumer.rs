@@ -7,7 +7,7 @@ use std::time::Duration;
 use async_nats::jetstream::consumer::{AckPolicy, DeliverPolicy, PullConsumer, pull};
 use async_nats::jetstream::{AckKind, Message};
 use futures_util::StreamExt;
-use outbox_core::{Delivery, RawEnvelope, Router, StoredEvent};
+use outbox_core::{Delivery, Router, StoredEvent};
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
 use uuid::Uuid;
@@ -140,9 +140,8 @@ impl<R: Router> JetStreamConsumer<R> {
                 return Outcome::Park;
             }
         };
-        let metadata = RawEnvelope::parse(event.payload.as_bytes())
-            .map(|envelope| envelope.metadata().clone())
-            .unwrap_or_default();
+        // Read with the envelope by `decode`.
+        let metadata = decoded.metadata().clone();
         let attempt = message
             .info()
             .ok()
