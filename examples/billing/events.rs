@@ -1,12 +1,16 @@
-//! The events of the seed's billing scenario.
+//! The events of the seed's billing scenario. Each derives `schemars::JsonSchema` beside
+//! `OutboxEvent`, so that the router's catalog publishes its shape
+//! (`cargo run --example billing -- catalog --format asyncapi`) and the compatibility check
+//! (`examples/tests/catalog.rs`) pins it.
 
 use outbox_core::OutboxEvent;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 /// A subscription began: a license is issued until the end of the first period.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "subscription")]
 pub struct SubscriptionStarted {
     /// The subscription.
@@ -21,7 +25,7 @@ pub struct SubscriptionStarted {
 }
 
 /// A recurring charge succeeded (the seed's `PaymentSucceededEvent`).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "subscription")]
 pub struct PaymentSucceeded {
     /// The subscription charged.
@@ -38,11 +42,12 @@ pub struct PaymentSucceeded {
     /// When the charge succeeded.
     #[outbox(occurred_at)]
     #[serde(with = "time::serde::rfc3339")]
+    #[schemars(with = "String", extend("format" = "date-time"))]
     pub occurred_at: OffsetDateTime,
 }
 
 /// The last retry of a charge failed: the subscription lapses.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "subscription")]
 pub struct PaymentFailedFinal {
     /// The subscription.
@@ -57,7 +62,7 @@ pub struct PaymentFailedFinal {
 }
 
 /// A license moved to a higher tier.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "license")]
 pub struct LicenseUpgraded {
     /// The license.
@@ -68,7 +73,7 @@ pub struct LicenseUpgraded {
 }
 
 /// A bot was installed in a workspace under a license.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "bot")]
 pub struct BotInstalled {
     /// The bot.
@@ -79,7 +84,7 @@ pub struct BotInstalled {
 }
 
 /// A bot was removed from its workspace.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "bot")]
 pub struct BotKicked {
     /// The bot.
@@ -94,7 +99,7 @@ pub struct BotKicked {
 /// Recovery made a win-back offer after a final payment failure: a follow-up event, published
 /// by the recovery subscriber in the transaction that opened the case (so it exists exactly
 /// when the case does), caused by the `PaymentFailedFinal` it handled.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, OutboxEvent)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema, OutboxEvent)]
 #[outbox(aggregate_type = "subscription")]
 pub struct WinBackOffered {
     /// The lapsed subscription.

@@ -48,6 +48,7 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 /// | --- | --- | --- |
 /// | `aggregate_type = "..."` | the kind of aggregate the event belongs to | required |
 /// | `event_type = "..."` | the name stored with the event and used for routing | the type's name |
+/// | `formerly = ["..."]` | the names it was stored under before a rename, still routed to it | none |
 /// | `version = N` | the current payload version, `N >= 1` | `1` |
 /// | `upcast(from = K, with = path)` | turns version `K` data into version `K + 1` data | none |
 /// | `crate = "path"` | where `outbox_core` is, when it is renamed or re-exported | `::outbox_core` |
@@ -69,6 +70,10 @@ pub trait OutboxEvent: Serialize + DeserializeOwned + Send + Sync + 'static {
     const AGGREGATE_TYPE: &'static str;
     /// The event's name as stored in the outbox and used for routing, such as `"PaymentSucceeded"`.
     const EVENT_TYPE: &'static str;
+    /// The names this event type had before, stored with events published before a rename: the
+    /// relay routes and decodes such events as this type. Keep a name here as long as stored
+    /// events may carry it; `outbox_core::testing::check_catalog` fails when one disappears.
+    const FORMERLY: &'static [&'static str] = &[];
     /// The version of `data` that this type serializes, at least 1.
     const VERSION: u32;
     /// Steps that turn older versions of `data` into newer ones, see [`Upcaster`].

@@ -57,6 +57,7 @@
 //! - `testing`: [`testing`], a kit to test services and subscribers without a database.
 #![doc(test(attr(deny(warnings))))]
 
+pub mod catalog;
 mod envelope;
 mod error;
 mod event;
@@ -69,6 +70,7 @@ pub mod telemetry;
 #[cfg(feature = "testing")]
 pub mod testing;
 
+pub use catalog::Catalog;
 pub use envelope::{
     Envelope, Metadata, RawEnvelope, TraceContext, decode, encode, event_id_of, event_uuid,
 };

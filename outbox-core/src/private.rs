@@ -36,6 +36,7 @@ pub fn upcast_with(upcaster: impl UpcastFn, data: Value) -> Result<Value, BoxErr
 
 pub use std::boxed::Box;
 pub use std::sync::LazyLock;
+pub use std::vec::Vec;
 
 pub use crate::error::DecodeError;
 pub use crate::routing::{
@@ -59,8 +60,12 @@ pub trait SubscribedIn<R>: Subscriber {}
 pub struct EventInfo {
     /// `E::EVENT_TYPE`.
     pub event_type: &'static str,
+    /// `E::FORMERLY`.
+    pub formerly: &'static [&'static str],
     /// Decodes a stored `E`.
     pub decode: fn(&StoredEvent) -> Result<Decoded, DecodeError>,
+    /// Its catalog entry, given its schema and members.
+    pub entry: fn(Option<SchemaFn>, Vec<&'static str>) -> CatalogEvent,
 }
 
 impl EventInfo {
@@ -69,8 +74,59 @@ impl EventInfo {
     pub const fn of<E: OutboxEvent>() -> Self {
         Self {
             event_type: E::EVENT_TYPE,
+            formerly: E::FORMERLY,
             decode: Decoded::decode::<E>,
+            entry: CatalogEvent::of::<E>,
         }
+    }
+
+    /// Whether the event is stored as `name`: its type or a former one.
+    pub fn is_named(&self, name: &str) -> bool {
+        self.event_type == name || self.formerly.contains(&name)
+    }
+}
+
+pub use crate::catalog::{Catalog, CatalogEvent, CatalogSubscriber, SchemaFn};
+
+/// Finds an event's schema, if it has one: `(&&SchemaProbe::<E>::new()).schema_fn()` with
+/// [`HasSchema`] and [`NoSchema`] in scope is `Some` when `E: JsonSchema` and `None` otherwise
+/// (method resolution tries the impl on `&SchemaProbe` first).
+pub struct SchemaProbe<T>(std::marker::PhantomData<T>);
+
+impl<T> SchemaProbe<T> {
+    /// The probe of `T`.
+    pub const fn new() -> Self {
+        Self(std::marker::PhantomData)
+    }
+}
+
+impl<T> Default for SchemaProbe<T> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The schema of a type that has one. See [`SchemaProbe`].
+pub trait HasSchema {
+    /// `Some(root_schema_for::<T>)`.
+    fn schema_fn(&self) -> Option<SchemaFn>;
+}
+
+impl<T: schemars::JsonSchema> HasSchema for &SchemaProbe<T> {
+    fn schema_fn(&self) -> Option<SchemaFn> {
+        Some(schemars::SchemaGenerator::root_schema_for::<T>)
+    }
+}
+
+/// No schema, for a type without one. See [`SchemaProbe`].
+pub trait NoSchema {
+    /// `None`.
+    fn schema_fn(&self) -> Option<SchemaFn>;
+}
+
+impl<T> NoSchema for SchemaProbe<T> {
+    fn schema_fn(&self) -> Option<SchemaFn> {
+        None
     }
 }
 
@@ -78,6 +134,8 @@ impl EventInfo {
 pub struct MemberInfo<T> {
     /// The stored name.
     pub name: &'static str,
+    /// The names it had before.
+    pub formerly: &'static [&'static str],
     /// The events it takes; `None` for an observer, which takes all.
     pub events: Option<&'static [&'static str]>,
     /// Hands it a decoded event.
@@ -92,6 +150,7 @@ impl<T> MemberInfo<T> {
     {
         Self {
             name: T::NAME,
+            formerly: <T as Subscriber>::FORMERLY,
             events: Some(T::EVENTS),
             deliver: T::deliver,
         }
@@ -104,6 +163,7 @@ impl<T> MemberInfo<T> {
     {
         Self {
             name: T::NAME,
+            formerly: <T as Observer>::FORMERLY,
             events: None,
             deliver: observe_decoded::<T>,
         }
@@ -115,6 +175,31 @@ impl<T> MemberInfo<T> {
             Some(events) => Member::Subscriber(self.name, events),
             None => Member::Observer(self.name),
         }
+    }
+
+    /// Whether the member's deliveries are stored as `name`: its name or a former one.
+    pub fn is_named(&self, name: &str) -> bool {
+        self.name == name || self.formerly.contains(&name)
+    }
+
+    /// Its catalog entry.
+    pub const fn entry(&self) -> CatalogSubscriber {
+        CatalogSubscriber::new(self.name, self.formerly, self.events)
+    }
+}
+
+/// Whether two durable names and their former names share a name, in const context.
+pub const fn names_overlap(a: &str, a_formerly: &[&str], b: &str, b_formerly: &[&str]) -> bool {
+    contains(b_formerly, a) || contains(a_formerly, b) || {
+        let mut i = 0;
+        let mut found = false;
+        while i < a_formerly.len() {
+            if contains(b_formerly, a_formerly[i]) {
+                found = true;
+            }
+            i += 1;
+        }
+        found
     }
 }
 
@@ -177,7 +262,8 @@ pub enum Member {
     Observer(&'static str),
 }
 
-/// A router's table: for each catalog event type, its members in declaration order.
+/// A router's table: for each catalog event type (and each name it had before), its members in
+/// declaration order.
 #[derive(Debug)]
 pub struct RouteTable {
     routes: std::collections::HashMap<&'static str, Vec<&'static str>>,
@@ -185,21 +271,28 @@ pub struct RouteTable {
 
 impl RouteTable {
     /// Builds the table of `events` over `members`.
-    pub fn new(events: &[&'static str], members: &[Member]) -> Self {
+    pub fn new(events: &[EventInfo], members: &[Member]) -> Self {
         let routes = events
             .iter()
-            .map(|&event| {
-                let names = members
-                    .iter()
-                    .filter_map(|member| match *member {
-                        Member::Subscriber(name, taken) => contains(taken, event).then_some(name),
-                        Member::Observer(name) => Some(name),
-                    })
-                    .collect();
-                (event, names)
+            .flat_map(|event| {
+                let names: Vec<&'static str> = Self::members_of(event.event_type, members);
+                std::iter::once(event.event_type)
+                    .chain(event.formerly.iter().copied())
+                    .map(move |name| (name, names.clone()))
             })
             .collect();
         Self { routes }
+    }
+
+    /// The members that take `event_type`, in declaration order.
+    pub fn members_of(event_type: &str, members: &[Member]) -> Vec<&'static str> {
+        members
+            .iter()
+            .filter_map(|member| match *member {
+                Member::Subscriber(name, taken) => contains(taken, event_type).then_some(name),
+                Member::Observer(name) => Some(name),
+            })
+            .collect()
     }
 
     /// The members of `event_type`, or `None` when it is not in the catalog.

@@ -9,6 +9,7 @@ use std::fmt;
 use std::future::Future;
 use std::pin::Pin;
 
+use crate::catalog::Catalog;
 use crate::envelope::{Metadata, RawEnvelope};
 use crate::error::DecodeError;
 use crate::event::{BoxError, OutboxEvent};
@@ -21,12 +22,24 @@ use crate::store::{ClaimToken, StoredEvent};
 /// [`decode`](Router::decode), then calls [`deliver`](Router::deliver) for each subscriber in
 /// the order [`subscribers`](Router::subscribers) gives.
 pub trait Router: Send + Sync + 'static {
-    /// The subscribers that take `event_type`, in delivery order, or `None` when this build does
-    /// not know the event type (the relay parks such events until a build that knows it runs).
+    /// The subscribers that take `event_type` (a current name, or one declared in `formerly`), in
+    /// delivery order, or `None` when this build does not know the event type (the relay parks
+    /// such events until a build that knows it runs).
     fn subscribers(&self, event_type: &str) -> Option<&[&'static str]>;
 
     /// Decodes a stored event into its concrete type.
     fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError>;
+
+    /// The name a subscriber of this router has now, for a name `stored` with a delivery: its
+    /// current name or one it had before a declared rename. `None` when no subscriber of this
+    /// build has or had that name.
+    fn current_subscriber(&self, stored: &str) -> Option<&'static str>;
+
+    /// The router's catalog: its events, their versions and schemas, its subscribers and
+    /// routes, as a value (rendered as JSON or AsyncAPI by [`Catalog`]).
+    fn catalog() -> Catalog
+    where
+        Self: Sized;
 
     /// Hands a decoded event to one subscriber.
     fn deliver<'a>(
@@ -265,9 +278,12 @@ pub type DeliverFuture<'a> = Pin<Box<dyn Future<Output = Result<(), HandlerError
     note = "mark the type `#[subscriber(events = [...])]`, or mark the field `#[observer]` if it takes every event"
 )]
 pub trait Subscriber: Send + Sync + 'static {
-    /// The name the subscriber's delivery state is stored under. Renaming it orphans its pending
-    /// deliveries.
+    /// The name the subscriber's delivery state is stored under. To rename it, keep the old name
+    /// in [`FORMERLY`](Self::FORMERLY) (`#[subscriber(name = "new", formerly = ["old"])]`), so
+    /// that the deliveries stored under it still reach this subscriber.
     const NAME: &'static str;
+    /// The names the subscriber's deliveries were stored under before a rename.
+    const FORMERLY: &'static [&'static str] = &[];
     /// The event types it takes.
     const EVENTS: &'static [&'static str];
 
@@ -355,6 +371,8 @@ pub trait Handle<E>: Send + Sync {
 pub trait Observer: Send + Sync + 'static {
     /// The name the observer's delivery state is stored under.
     const NAME: &'static str;
+    /// The names its deliveries were stored under before a rename.
+    const FORMERLY: &'static [&'static str] = &[];
 
     /// Handles one delivery of any event; the raw event is `delivery.event()`.
     fn observe(

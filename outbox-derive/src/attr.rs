@@ -10,7 +10,8 @@ use syn::{Attribute, LitInt, LitStr, Path, Token, Type, parse_quote};
 use crate::ctxt::Errors;
 
 /// The keys an `#[outbox(...)]` attribute on the struct may hold.
-const CONTAINER_KEYS: &str = "`aggregate_type`, `event_type`, `version`, `upcast` or `crate`";
+const CONTAINER_KEYS: &str =
+    "`aggregate_type`, `event_type`, `formerly`, `version`, `upcast` or `crate`";
 /// The keys an `#[outbox(...)]` attribute on a field may hold.
 const FIELD_KEYS: &str = "`aggregate_id` or `occurred_at`";
 
@@ -19,6 +20,8 @@ const FIELD_KEYS: &str = "`aggregate_id` or `occurred_at`";
 pub(crate) struct ContainerAttrs {
     pub(crate) aggregate_type: Option<LitStr>,
     pub(crate) event_type: Option<LitStr>,
+    /// `formerly = ["OldName"]`: the event type's earlier names.
+    pub(crate) formerly: Option<Vec<LitStr>>,
     pub(crate) version: Option<LitInt>,
     pub(crate) upcasts: Vec<Upcast>,
     pub(crate) krate: Option<Path>,
@@ -54,6 +57,11 @@ pub(crate) fn container(attrs: &[Attribute], errors: &mut Errors) -> ContainerAt
                 let value = string_value(&meta, "event_type = \"PaymentSucceeded\"", errors)?;
                 if seen.first(key, errors) {
                     out.event_type = value;
+                }
+            } else if key.is_ident("formerly") {
+                let value = string_list(&meta, "formerly = [\"PaymentSucceeded\"]", errors)?;
+                if seen.first(key, errors) {
+                    out.formerly = value;
                 }
             } else if key.is_ident("version") {
                 let value = int_value(&meta, "version = 2", errors)?;
@@ -126,7 +134,14 @@ pub(crate) fn field(attrs: &[Attribute], errors: &mut Errors) -> FieldAttrs {
                 None => {
                     let hint = if is_any(
                         key,
-                        &["aggregate_type", "event_type", "version", "upcast", "crate"],
+                        &[
+                            "aggregate_type",
+                            "event_type",
+                            "formerly",
+                            "version",
+                            "upcast",
+                            "crate",
+                        ],
                     ) {
                         format!("; `{}` belongs on the struct", key_name(key))
                     } else {
@@ -394,6 +409,70 @@ pub(crate) fn type_list(
             );
         })
         .ok())
+}
+
+/// `key = ["a", "b"]`: a bracketed list of string literals.
+pub(crate) fn string_list(
+    meta: &ParseNestedMeta<'_>,
+    example: &str,
+    errors: &mut Errors,
+) -> syn::Result<Option<Vec<LitStr>>> {
+    let Some(tokens) = value_tokens(meta, example, errors)? else {
+        return Ok(None);
+    };
+    let parsed = syn::parse::Parser::parse2(
+        |input: syn::parse::ParseStream<'_>| {
+            let content;
+            syn::bracketed!(content in input);
+            let names = Punctuated::<LitStr, Token![,]>::parse_terminated(&content)?;
+            Ok(names.into_iter().collect())
+        },
+        tokens.clone(),
+    );
+    Ok(parsed
+        .map_err(|_| {
+            errors.spanned(
+                &tokens,
+                format!(
+                    "`{}` must be a list of string literals in brackets, like `{example}`",
+                    key_name(&meta.path)
+                ),
+            );
+        })
+        .ok())
+}
+
+/// Checks the names of `formerly = [...]`: each a valid stored name, none twice, none the
+/// current name `current`. Returns the valid ones, or `None` if any is not.
+pub(crate) fn check_formerly(
+    names: &[LitStr],
+    current: Option<&str>,
+    key: &str,
+    errors: &mut Errors,
+) -> Option<Vec<String>> {
+    let mut out: Vec<String> = Vec::new();
+    let mut ok = true;
+    for lit in names {
+        let Some(name) = check_name(lit, "formerly", errors) else {
+            ok = false;
+            continue;
+        };
+        if current == Some(name.as_str()) {
+            errors.spanned(
+                lit,
+                format!(
+                    "`{name}` is the current `{key}`: `formerly` lists the names it had before"
+                ),
+            );
+            ok = false;
+        } else if out.contains(&name) {
+            errors.spanned(lit, format!("`{name}` is listed twice in `formerly`"));
+            ok = false;
+        } else {
+            out.push(name);
+        }
+    }
+    ok.then_some(out)
 }
 
 /// Records an unknown key and skips its value.

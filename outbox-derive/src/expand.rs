@@ -30,6 +30,7 @@ fn event_impl(input: &DeriveInput, checked: &valid::Checked<'_>) -> TokenStream 
         krate,
         aggregate_type,
         event_type,
+        formerly,
         version,
         upcasts,
         aggregate_id,
@@ -58,6 +59,7 @@ fn event_impl(input: &DeriveInput, checked: &valid::Checked<'_>) -> TokenStream 
     let body = quote! {
         const AGGREGATE_TYPE: &'static str = #aggregate_type;
         const EVENT_TYPE: &'static str = #event_type;
+        const FORMERLY: &'static [&'static str] = &[#(#formerly),*];
         const VERSION: u32 = #version;
         const UPCASTERS: &'static [#private::Upcaster] = &[#(#upcasters),*];
 

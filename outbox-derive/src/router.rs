@@ -266,10 +266,22 @@ fn router_impl(
                 type_text(a),
                 type_text(b)
             );
-            let (a, b_info) = (&event_consts[i], &event_consts[j]);
+            let (a_info, b_info) = (&event_consts[i], &event_consts[j]);
+            let renamed = format!(
+                "events `{}` and `{}` of router `{router_name}` share a durable name: the event \
+                 type or a `formerly` name of one is a `formerly` name of the other, so stored \
+                 events of that name could be either; keep the name in the `formerly` of the one \
+                 type whose events were stored under it, and remove it from the other",
+                type_text(a),
+                type_text(b)
+            );
             unique_checks.push(quote_spanned! {b.span()=>
-                const _: () = if #private::str_eq(#a.event_type, #b_info.event_type) {
+                const _: () = if #private::str_eq(#a_info.event_type, #b_info.event_type) {
                     ::core::panic!(#message)
+                } else if #private::names_overlap(
+                    #a_info.event_type, #a_info.formerly, #b_info.event_type, #b_info.formerly,
+                ) {
+                    ::core::panic!(#renamed)
                 };
             });
         }
@@ -282,10 +294,21 @@ fn router_impl(
                  `#[subscriber(name = \"...\")]`",
                 a.field, b.field
             );
+            let renamed = format!(
+                "fields `{}` and `{}` of router `{router_name}` share a durable name: the name \
+                 or a `formerly` name of one is a `formerly` name of the other, so the \
+                 deliveries stored under it would mix; rename the subscriber to a name no other \
+                 subscriber has or had",
+                a.field, b.field
+            );
             let (a_info, b_info) = (&member_consts[i], &member_consts[j]);
             unique_checks.push(quote_spanned! {b.ty.span()=>
                 const _: () = if #private::str_eq(#a_info.name, #b_info.name) {
                     ::core::panic!(#message)
+                } else if #private::names_overlap(
+                    #a_info.name, #a_info.formerly, #b_info.name, #b_info.formerly,
+                ) {
+                    ::core::panic!(#renamed)
                 };
             });
         }
@@ -314,6 +337,11 @@ fn router_impl(
     let member_count = members.len();
     let event_count = events.len();
     let fields = members.iter().map(|m| &m.field);
+    let schema_fns = events.iter().map(|event| {
+        quote_spanned! {event.span()=>
+            (&&#private::SchemaProbe::<#event>::new()).schema_fn()
+        }
+    });
 
     quote! {
         #[doc(hidden)]
@@ -334,10 +362,7 @@ fn router_impl(
                 fn subscribers(&self, event_type: &str) -> ::core::option::Option<&[&'static str]> {
                     static TABLE: #private::LazyLock<#private::RouteTable> =
                         #private::LazyLock::new(|| {
-                            #private::RouteTable::new(
-                                &__EVENTS.map(|event| event.event_type),
-                                &__MEMBERS,
-                            )
+                            #private::RouteTable::new(&__EVENTS, &__MEMBERS)
                         });
                     TABLE.get(event_type)
                 }
@@ -346,12 +371,46 @@ fn router_impl(
                     &self,
                     event: &#private::StoredEvent,
                 ) -> ::core::result::Result<#private::Decoded, #private::DecodeError> {
-                    match __EVENTS.iter().find(|info| info.event_type == event.event_type) {
+                    match __EVENTS.iter().find(|info| info.is_named(&event.event_type)) {
                         ::core::option::Option::Some(info) => (info.decode)(event),
                         ::core::option::Option::None => {
                             ::core::result::Result::Err(#private::unknown_event_type(event))
                         }
                     }
+                }
+
+                fn current_subscriber(
+                    &self,
+                    stored: &str,
+                ) -> ::core::option::Option<&'static str> {
+                    #(
+                        if #member_consts.is_named(stored) {
+                            return ::core::option::Option::Some(#member_consts.name);
+                        }
+                    )*
+                    ::core::option::Option::None
+                }
+
+                fn catalog() -> #private::Catalog {
+                    #[allow(unused_imports)]
+                    use #private::{HasSchema as _, NoSchema as _};
+                    let schemas: [::core::option::Option<#private::SchemaFn>; #event_count] =
+                        [#(#schema_fns),*];
+                    let events = __EVENTS
+                        .iter()
+                        .zip(schemas)
+                        .map(|(info, schema)| {
+                            (info.entry)(
+                                schema,
+                                #private::RouteTable::members_of(info.event_type, &__MEMBERS),
+                            )
+                        })
+                        .collect();
+                    #private::Catalog::new(
+                        #router_name,
+                        events,
+                        #private::Vec::from([#(#member_consts.entry()),*]),
+                    )
                 }
 
                 fn deliver<'a>(
@@ -363,7 +422,7 @@ fn router_impl(
                     Output = ::core::result::Result<(), #private::HandlerError>,
                 > + ::core::marker::Send + 'a {
                     #(
-                        if subscriber == #member_consts.name {
+                        if #member_consts.is_named(subscriber) {
                             return (#member_consts.deliver)(&self.#fields, event, delivery);
                         }
                     )*

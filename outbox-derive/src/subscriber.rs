@@ -16,7 +16,15 @@ struct Args {
     events_given: bool,
     events: Option<(Span, Vec<Type>)>,
     name: Option<LitStr>,
+    formerly: Option<Vec<LitStr>>,
     krate: Option<Path>,
+}
+
+/// A checked subscriber: its stored name, earlier names and events.
+struct Checked<'a> {
+    name: String,
+    formerly: Vec<String>,
+    events: &'a [Type],
 }
 
 pub(crate) fn expand(args: TokenStream, item: &TokenStream) -> TokenStream {
@@ -34,7 +42,7 @@ pub(crate) fn expand(args: TokenStream, item: &TokenStream) -> TokenStream {
     let krate = attr::krate_or_default(args.krate.as_ref());
     let checked = check(&input, &args, &mut errors);
     let generated = match (errors.finish(), checked) {
-        (Ok(()), Some((name, events))) => subscriber_impl(&input, &krate, &name, events),
+        (Ok(()), Some(checked)) => subscriber_impl(&input, &krate, &checked),
         (result, _) => {
             let errors = result.err().map(syn::Error::into_compile_error);
             let stub = stub_impl(&input, &krate);
@@ -60,6 +68,11 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Args {
             if seen.first(key, errors) {
                 out.name = value;
             }
+        } else if key.is_ident("formerly") {
+            let value = attr::string_list(&meta, "formerly = [\"billing\"]", errors)?;
+            if seen.first(key, errors) {
+                out.formerly = value;
+            }
         } else if key.is_ident("crate") {
             let value = attr::path_value(&meta, "crate = \"my_app::outbox_core\"", errors)?;
             if seen.first(key, errors) {
@@ -69,7 +82,7 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Args {
             attr::unknown_key(
                 &meta,
                 "subscriber attribute",
-                "`events`, `name` or `crate`",
+                "`events`, `name`, `formerly` or `crate`",
                 errors,
             )?;
         }
@@ -81,12 +94,8 @@ fn parse_args(args: TokenStream, errors: &mut Errors) -> Args {
     out
 }
 
-/// The subscriber's name and events, if every check passed.
-fn check<'a>(
-    input: &DeriveInput,
-    args: &'a Args,
-    errors: &mut Errors,
-) -> Option<(String, &'a [Type])> {
+/// The subscriber's names and events, if every check passed.
+fn check<'a>(input: &DeriveInput, args: &'a Args, errors: &mut Errors) -> Option<Checked<'a>> {
     if matches!(input.data, syn::Data::Union(_)) {
         errors.spanned(
             &input.ident,
@@ -96,6 +105,10 @@ fn check<'a>(
     let name = match &args.name {
         Some(lit) => attr::check_name(lit, "name", errors),
         None => Some(snake_case(&input.ident)),
+    };
+    let formerly = match &args.formerly {
+        Some(names) => attr::check_formerly(names, name.as_deref(), "name", errors),
+        None => Some(Vec::new()),
     };
     let events = match &args.events {
         None if args.events_given => None,
@@ -116,10 +129,19 @@ fn check<'a>(
         Some((_, events)) => attr::reject_duplicate_types(events, "event", "`events`", errors)
             .then_some(events.as_slice()),
     };
-    Some((name?, events?))
+    Some(Checked {
+        name: name?,
+        formerly: formerly?,
+        events: events?,
+    })
 }
 
-fn subscriber_impl(input: &DeriveInput, krate: &Path, name: &str, events: &[Type]) -> TokenStream {
+fn subscriber_impl(input: &DeriveInput, krate: &Path, checked: &Checked<'_>) -> TokenStream {
+    let Checked {
+        name,
+        formerly,
+        events,
+    } = checked;
     let private = quote!(#krate::__private);
     let ident = &input.ident;
     let (impl_generics, ty_generics, where_clause) = input.generics.split_for_impl();
@@ -144,6 +166,7 @@ fn subscriber_impl(input: &DeriveInput, krate: &Path, name: &str, events: &[Type
             #[automatically_derived]
             impl #impl_generics #private::Subscriber for #ident #ty_generics #where_clause {
                 const NAME: &'static str = #name;
+                const FORMERLY: &'static [&'static str] = &[#(#formerly),*];
                 const EVENTS: &'static [&'static str] = &[#(#event_types),*];
 
                 fn deliver<'a>(

@@ -14,6 +14,8 @@ pub(crate) struct Checked<'a> {
     pub(crate) krate: Path,
     pub(crate) aggregate_type: String,
     pub(crate) event_type: String,
+    /// Its earlier names.
+    pub(crate) formerly: Vec<String>,
     pub(crate) version: u32,
     /// `(from, with)`, in ascending `from` order.
     pub(crate) upcasts: Vec<(u32, &'a Path)>,
@@ -46,6 +48,10 @@ pub(crate) fn check<'a>(event: &'a Event<'a>, errors: &mut Errors) -> Option<Che
         Some(lit) => attr::check_name(lit, "event_type", errors),
         None => Some(ident.unraw().to_string()),
     };
+    let formerly = match &attrs.formerly {
+        Some(names) => attr::check_formerly(names, event_type.as_deref(), "event_type", errors),
+        None => Some(Vec::new()),
+    };
     let version = match &attrs.version {
         Some(lit) => version(lit, errors),
         None => Some(1),
@@ -65,6 +71,7 @@ pub(crate) fn check<'a>(event: &'a Event<'a>, errors: &mut Errors) -> Option<Che
         krate: krate(event),
         aggregate_type: aggregate_type?,
         event_type: event_type?,
+        formerly: formerly?,
         version: version?,
         upcasts: upcasts??,
         aggregate_id: aggregate_id?,

@@ -123,6 +123,9 @@ pub trait TestBackend: Backend + Sized {
     /// How many inbox records there are.
     fn inbox_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
 
+    /// Makes every delivery waiting for a retry due now, as if its delay had passed.
+    fn make_deliveries_due(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
+
     /// Records a migration newer than this build knows.
     fn insert_future_migration(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
 
@@ -288,6 +291,15 @@ impl TestBackend for Postgres {
         .unwrap()
         .rows_affected();
         assert!(changed > 0, "message {message_id} is in the inbox");
+    }
+
+    async fn make_deliveries_due(pool: &Pool<Postgres>) {
+        sqlx::query(
+            "UPDATE events.outbox_deliveries SET next_retry_at = now() WHERE next_retry_at > now()",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
     }
 
     async fn inbox_count(pool: &Pool<Postgres>) -> i64 {
@@ -552,6 +564,14 @@ impl TestBackend for Sqlite {
         .unwrap()
         .rows_affected();
         assert!(changed > 0, "message {message_id} is in the inbox");
+    }
+
+    async fn make_deliveries_due(pool: &Pool<Sqlite>) {
+        sqlx::query("UPDATE outbox_deliveries SET next_retry_at = $1 WHERE next_retry_at > $1")
+            .bind(i64::try_from(OffsetDateTime::now_utc().unix_timestamp_nanos() / 1000).unwrap())
+            .execute(pool)
+            .await
+            .unwrap();
     }
 
     async fn inbox_count(pool: &Pool<Sqlite>) -> i64 {

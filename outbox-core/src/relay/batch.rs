@@ -26,6 +26,10 @@ impl<S: Store, R: Router> Routes for Relay<S, R> {
         self.router.subscribers(event_type)
     }
 
+    fn current_subscriber(&self, stored: &str) -> Option<&'static str> {
+        self.router.current_subscriber(stored)
+    }
+
     fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError> {
         Relay::decode(self, event)
     }
@@ -123,17 +127,18 @@ impl<S: Store, R: Router> Relay<S, R> {
                     decoded,
                     expired,
                     slots,
-                } => (event, decoded, slots[step.slot].0, 1, *expired),
+                } => (event, decoded, slots[step.slot].subscriber, 1, *expired),
                 Planned::Again {
                     event,
                     decoded,
-                    subscriber,
+                    current,
                     attempts,
                     expired,
+                    ..
                 } => (
                     event,
                     decoded,
-                    subscriber.as_str(),
+                    *current,
                     attempts.saturating_add(1),
                     *expired,
                 ),
@@ -238,8 +243,9 @@ fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
                 outcomes.events.push((event.id, EventOutcome::Released));
             }
             Planned::FanOut { event, slots, .. } => {
-                for ((subscriber, slot), result) in slots.into_iter().zip(results) {
-                    let outcome = match (slot, result) {
+                for (slot, result) in slots.into_iter().zip(results) {
+                    let subscriber = slot.stored_name().to_owned();
+                    let outcome = match (slot.slot, result) {
                         (Slot::Decided(outcome), _) => outcome,
                         (Slot::Run, Some(Ran::Delivered)) => continue,
                         (Slot::Run, Some(Ran::Failed(outcome))) => outcome,
@@ -247,7 +253,7 @@ fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
                     };
                     outcomes
                         .deliveries
-                        .push(record(&event, subscriber.to_owned(), outcome));
+                        .push(record(&event, subscriber, outcome));
                 }
                 outcomes.events.push((event.id, EventOutcome::Published));
             }
@@ -346,6 +352,7 @@ mod tests {
     use time::OffsetDateTime;
 
     use super::*;
+    use crate::relay::plan::FanOutSlot;
 
     fn fan_out(id: i64, aggregate: u128, slots: &[&'static str]) -> Planned<()> {
         Planned::FanOut {
@@ -359,7 +366,14 @@ mod tests {
             },
             decoded: (),
             expired: 0,
-            slots: slots.iter().map(|s| (*s, Slot::Run)).collect(),
+            slots: slots
+                .iter()
+                .map(|s| FanOutSlot {
+                    subscriber: s,
+                    slot: Slot::Run,
+                    record_as: None,
+                })
+                .collect(),
         }
     }
 

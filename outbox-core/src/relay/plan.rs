@@ -26,6 +26,9 @@ pub(super) trait Routes {
     type Decoded;
     /// The subscribers of `event_type`, in delivery order, or `None` if this build does not know it.
     fn subscribers(&self, event_type: &str) -> Option<&[&'static str]>;
+    /// The current name of the subscriber whose deliveries are stored as `stored` (its name, or
+    /// one it had before a rename), or `None` if this build has no such subscriber.
+    fn current_subscriber(&self, stored: &str) -> Option<&'static str>;
     /// Decodes `event`.
     fn decode(&self, event: &StoredEvent) -> Result<Self::Decoded, DecodeError>;
     /// How long parked work waits.
@@ -59,13 +62,16 @@ pub(super) enum Planned<D> {
         event: StoredEvent,
         decoded: D,
         expired: u32,
-        slots: Vec<(&'static str, Slot)>,
+        slots: Vec<FanOutSlot>,
     },
     /// A pending delivery attempted again: one step.
     Again {
         event: StoredEvent,
         decoded: D,
+        /// The name the delivery is stored under.
         subscriber: String,
+        /// The subscriber's current name (another when it was renamed since).
+        current: &'static str,
         /// Failed attempts so far.
         attempts: u32,
         expired: u32,
@@ -73,6 +79,26 @@ pub(super) enum Planned<D> {
 }
 
 /// One subscriber's share of a fanned-out event.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct FanOutSlot {
+    /// The subscriber.
+    pub(super) subscriber: &'static str,
+    /// What to do.
+    pub(super) slot: Slot,
+    /// The name to record a delivery under, when not `subscriber`: the subscriber was renamed
+    /// and the deliveries of its key that wait are stored under a former name, which this one
+    /// joins so that the key's deliveries stay in one ordered queue in the store.
+    pub(super) record_as: Option<String>,
+}
+
+impl FanOutSlot {
+    /// The name the slot's delivery is recorded under.
+    pub(super) fn stored_name(&self) -> &str {
+        self.record_as.as_deref().unwrap_or(self.subscriber)
+    }
+}
+
+/// What a subscriber's slot of a fanned-out event does.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Slot {
     /// Decided at planning (it waits behind its key).
@@ -110,6 +136,8 @@ struct Planner {
     stall_all: bool,
     queue_of: HashMap<Key, usize>,
     queues: Vec<Vec<Step>>,
+    /// Keys of renamed subscribers whose waiting deliveries are stored under a former name.
+    stored_as: HashMap<Key, String>,
 }
 
 impl Planner {
@@ -268,21 +296,35 @@ fn plan_event<R: Routes>(
     let mut slots = Vec::with_capacity(subscribers.len());
     for &subscriber in subscribers {
         let key = key(subscriber, &event);
-        let slot =
-            if held_by_store.iter().any(|s| s == subscriber) || planner.blocked.contains(&key) {
-                planner.blocked.insert(key);
-                Slot::Decided(DeliveryOutcome::Waiting)
-            } else {
-                planner.enqueue(
-                    key,
-                    Step {
-                        claim: index,
-                        slot: slots.len(),
-                    },
-                );
-                Slot::Run
-            };
-        slots.push((subscriber, slot));
+        // The store names subscribers as their deliveries are stored: maybe a former name.
+        let held_as = held_by_store
+            .iter()
+            .find(|s| *s == subscriber || routes.current_subscriber(s) == Some(subscriber));
+        if let Some(stored) = held_as.filter(|s| *s != subscriber) {
+            planner
+                .stored_as
+                .entry(key.clone())
+                .or_insert_with(|| stored.clone());
+        }
+        let record_as = planner.stored_as.get(&key).cloned();
+        let slot = if held_as.is_some() || planner.blocked.contains(&key) {
+            planner.blocked.insert(key);
+            Slot::Decided(DeliveryOutcome::Waiting)
+        } else {
+            planner.enqueue(
+                key,
+                Step {
+                    claim: index,
+                    slot: slots.len(),
+                },
+            );
+            Slot::Run
+        };
+        slots.push(FanOutSlot {
+            subscriber,
+            slot,
+            record_as,
+        });
     }
     Planned::FanOut {
         event,
@@ -301,7 +343,14 @@ fn plan_again<R: Routes>(
     expired: u32,
     routes: &R,
 ) -> Planned<R::Decoded> {
-    let key = key(&subscriber, &event);
+    let current = routes.current_subscriber(&subscriber);
+    let key = key(current.unwrap_or(&subscriber), &event);
+    if current.is_some_and(|c| c != subscriber) {
+        planner
+            .stored_as
+            .entry(key.clone())
+            .or_insert_with(|| subscriber.clone());
+    }
     let decided = |event: &StoredEvent, subscriber, outcome| {
         Planned::Delivery(DeliveryRecord {
             event_id: event.id,
@@ -314,15 +363,17 @@ fn plan_again<R: Routes>(
     if planner.blocked.contains(&key) {
         return decided(&event, subscriber, DeliveryOutcome::Released);
     }
-    let routed = routes
-        .subscribers(&event.event_type)
-        .is_some_and(|subscribers| subscribers.contains(&subscriber.as_str()));
+    let routed = current.filter(|current| {
+        routes
+            .subscribers(&event.event_type)
+            .is_some_and(|subscribers| subscribers.contains(current))
+    });
     let park = |reason: String| DeliveryOutcome::Retry {
         attempts,
         error: stored_text(reason),
         retry_in: routes.park_delay(),
     };
-    let outcome = if routed {
+    let outcome = if let Some(current) = routed {
         match routes.decode(&event) {
             Ok(decoded) => {
                 planner.enqueue(
@@ -336,6 +387,7 @@ fn plan_again<R: Routes>(
                     event,
                     decoded,
                     subscriber,
+                    current,
                     attempts,
                     expired,
                 };
@@ -370,7 +422,7 @@ mod tests {
     use super::*;
 
     /// Event types `a` (subscribers x, y) and `b` (x); payload "bad" is undecodable for good,
-    /// "new" is of a newer version.
+    /// "new" is of a newer version. Subscriber `y` was called `old_y` before.
     struct Fake;
 
     impl Routes for Fake {
@@ -380,6 +432,14 @@ mod tests {
             match event_type {
                 "a" => Some(&["x", "y"]),
                 "b" => Some(&["x"]),
+                _ => None,
+            }
+        }
+
+        fn current_subscriber(&self, stored: &str) -> Option<&'static str> {
+            match stored {
+                "x" => Some("x"),
+                "y" | "old_y" => Some("y"),
                 _ => None,
             }
         }
@@ -449,10 +509,10 @@ mod tests {
                 queue
                     .iter()
                     .map(|step| match &plan.claims[step.claim] {
-                        Planned::FanOut { event, slots, .. } => (event.id, slots[step.slot].0),
-                        Planned::Again {
-                            event, subscriber, ..
-                        } => (event.id, subscriber.as_str()),
+                        Planned::FanOut { event, slots, .. } => {
+                            (event.id, slots[step.slot].subscriber)
+                        }
+                        Planned::Again { event, current, .. } => (event.id, *current),
                         _ => panic!("a decided claim in a queue"),
                     })
                     .collect()
@@ -523,12 +583,65 @@ mod tests {
             assert_eq!(
                 slots,
                 &[
-                    ("x", Slot::Run),
-                    ("y", Slot::Decided(DeliveryOutcome::Waiting))
+                    slot("x", Slot::Run, None),
+                    slot("y", Slot::Decided(DeliveryOutcome::Waiting), None)
                 ]
             );
         }
         assert_eq!(delivery_outcome(&plan, 2), &DeliveryOutcome::Released);
+    }
+
+    fn slot(subscriber: &'static str, slot: Slot, record_as: Option<&str>) -> FanOutSlot {
+        FanOutSlot {
+            subscriber,
+            slot,
+            record_as: record_as.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn a_delivery_stored_under_a_former_name_runs_as_the_renamed_subscriber_in_its_key() {
+        // Aggregate 1: a retry stored as `old_y`, then a new event; aggregate 2: a new event
+        // whose key the store says `old_y` holds back; aggregate 3: nothing under the old name.
+        let plan = plan(
+            vec![
+                again(1, "old_y", 1),
+                event(2, "a", 1),
+                event_with(stored(3, "a", 2, "{}"), &["old_y"]),
+                event(4, "a", 3),
+            ],
+            &Fake,
+        );
+        assert_eq!(
+            queues(&plan),
+            vec![
+                vec![(1, "y"), (2, "y")],
+                vec![(2, "x")],
+                vec![(3, "x")],
+                vec![(4, "x")],
+                vec![(4, "y")],
+            ]
+        );
+        let Planned::Again { subscriber, .. } = &plan.claims[0] else {
+            panic!("a delivery attempted again");
+        };
+        assert_eq!(
+            subscriber, "old_y",
+            "its outcome is recorded on its stored row"
+        );
+        let slots_of = |claim: usize| match &plan.claims[claim] {
+            Planned::FanOut { slots, .. } => slots.clone(),
+            _ => panic!("not a fan-out"),
+        };
+        // Deliveries of a key that waits under the former name join it there, so that the
+        // store keeps one ordered queue per key; other keys take the new name.
+        assert_eq!(slots_of(1)[1], slot("y", Slot::Run, Some("old_y")));
+        assert_eq!(slots_of(1)[1].stored_name(), "old_y");
+        assert_eq!(
+            slots_of(2)[1],
+            slot("y", Slot::Decided(DeliveryOutcome::Waiting), Some("old_y"))
+        );
+        assert_eq!(slots_of(3)[1], slot("y", Slot::Run, None));
     }
 
     #[test]
