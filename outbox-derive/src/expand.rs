@@ -4,6 +4,7 @@
 use proc_macro2::TokenStream;
 use quote::{quote, quote_spanned};
 use syn::spanned::Spanned;
+
 use syn::{Data, DeriveInput, Path};
 
 use crate::ctxt::Errors;
@@ -42,13 +43,16 @@ fn event_impl(input: &DeriveInput, checked: &valid::Checked<'_>) -> TokenStream 
             #private::Upcaster::new(#from, |data| #private::upcast_with(#with, data))
         }
     });
+    // `self` keeps the call site's hygiene (a field type may come from another macro's
+    // expansion); the call is located at the type, where an unmet bound is reported.
+    let this = quote!(self);
     let (id_field, id_ty) = aggregate_id;
     let aggregate_id = quote_spanned! {id_ty.span()=>
-        <#id_ty as #private::AggregateId>::to_uuid(&self.#id_field)
+        <#id_ty as #private::AggregateId>::to_uuid(&#this.#id_field)
     };
     let occurred_at = occurred_at.map(|(field, ty)| {
         let value = quote_spanned! {ty.span()=>
-            <#ty as #private::Timestamp>::to_offset_date_time(&self.#field)
+            <#ty as #private::Timestamp>::to_offset_date_time(&#this.#field)
         };
         quote! {
             fn occurred_at(&self) -> ::core::option::Option<#private::OffsetDateTime> {

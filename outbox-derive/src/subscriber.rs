@@ -4,6 +4,7 @@ use proc_macro2::{Span, TokenStream};
 use quote::{ToTokens, quote, quote_spanned};
 use syn::parse::Parser;
 use syn::spanned::Spanned;
+
 use syn::{DeriveInput, Ident, LitStr, Path, Type};
 
 use crate::attr::{self, Seen};
@@ -148,9 +149,12 @@ fn subscriber_impl(input: &DeriveInput, krate: &Path, checked: &Checked<'_>) -> 
     let event_types = events
         .iter()
         .map(|event| quote_spanned!(event.span()=> <#event as #private::OutboxEvent>::EVENT_TYPE));
+    // The locals keep the call site's hygiene (an event type may come from another macro's
+    // expansion); the call is located at the event, where an unmet `Handle` bound is reported.
+    let locals = quote!(self, event, delivery);
     let dispatch = events.iter().map(|event| {
         let handle = quote_spanned! {event.span()=>
-            <Self as #private::Handle<#event>>::handle(self, event, delivery)
+            <Self as #private::Handle<#event>>::handle(#locals)
         };
         quote! {
             if let ::core::option::Option::Some(event) = event.downcast_ref::<#event>() {
