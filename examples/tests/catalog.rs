@@ -67,3 +67,13 @@ fn the_billing_asyncapi_document_is_valid_asyncapi_3() {
     broken["operations"]["send_PaymentSucceeded"]["action"] = Value::from("publish");
     assert!(validator.iter_errors(&broken).count() >= 2);
 }
+
+/// The compatibility check, as an application adds it: the catalog against the snapshot
+/// committed beside this test (`OUTBOX_BLESS=1` records it after a deliberate change).
+#[test]
+fn the_billing_catalog_keeps_what_is_stored() {
+    outbox_core::testing::check_catalog::<App>(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/tests/catalog.json"
+    ));
+}

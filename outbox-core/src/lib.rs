@@ -58,6 +58,8 @@
 #![doc(test(attr(deny(warnings))))]
 
 pub mod catalog;
+#[cfg(feature = "testing")]
+mod compat;
 mod envelope;
 mod error;
 mod event;

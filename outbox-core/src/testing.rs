@@ -6,6 +6,9 @@
 //!   once or twice: test a handler alone, and prove it idempotent.
 //! - [`MemoryStore`] is a [`Store`] in memory with a [`ManualClock`]; [`drain`] runs a relay over
 //!   it until nothing is due, so retry schedules are tested by moving the clock, not by waiting.
+//! - [`check_catalog`] checks the router's event types, payload versions and subscriber names
+//!   against a committed snapshot, so that a change that would break stored events fails a test
+//!   instead of production.
 //!
 //! ```
 //! use outbox_core::testing::{MemoryStore, RecordingPublisher, TestDelivery, drain};
@@ -929,5 +932,57 @@ pub async fn drain<S: Store, R: Router>(relay: &Relay<S, R>) -> Result<BatchRepo
         total.parked += report.parked;
         total.waiting += report.waiting;
         total.released += report.released;
+    }
+}
+
+pub use crate::compat::{
+    CatalogReport, bless as bless_catalog, compare as compare_catalog, sample_of,
+};
+
+/// Checks router `R`'s catalog against the snapshot at `snapshot` (a JSON file committed with
+/// the code), and panics, saying what to do, when a change would break what is stored:
+///
+/// - a recorded sample payload of any version ever recorded no longer decodes with the current
+///   code (through the upcasters): a removed upcaster, a field renamed without a version bump;
+/// - the current version's shape (its JSON Schema, from `schemars::JsonSchema`, which every
+///   event must derive) changed without a version bump;
+/// - an event type or subscriber name disappeared without a declared rename (`formerly`);
+/// - something is not recorded yet (a new event, version or subscriber).
+///
+/// With the environment variable `OUTBOX_BLESS` set, it records the current catalog into the
+/// snapshot instead (creating it if need be), keeping every version recorded before, with a
+/// sample payload of each new version made from its schema; it refuses to record a breaking
+/// change. Review the diff and commit it, as with any golden file.
+///
+/// One line in a test of the application:
+///
+/// ```no_run
+/// # use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize, schemars::JsonSchema, OutboxEvent)]
+/// # #[outbox(aggregate_type = "bot")]
+/// # struct BotInstalled { #[outbox(aggregate_id)] bot_id: uuid::Uuid }
+/// # #[subscriber(events = [BotInstalled])]
+/// # struct Licensing;
+/// # impl Handle<BotInstalled> for Licensing {
+/// #     async fn handle(&self, _: &BotInstalled, _: &Delivery<'_>) -> Result<(), HandlerError> { Ok(()) }
+/// # }
+/// # #[router(events = [BotInstalled])]
+/// # struct App { licensing: Licensing }
+/// #[test]
+/// fn the_catalog_keeps_what_is_stored() {
+///     outbox_core::testing::check_catalog::<App>(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/catalog.json"));
+/// }
+/// ```
+///
+/// # Panics
+///
+/// When the catalog does not match the snapshot, when there is no snapshot (and `OUTBOX_BLESS`
+/// is not set), or when blessing is refused.
+#[track_caller]
+pub fn check_catalog<R: Router>(snapshot: impl AsRef<std::path::Path>) {
+    let bless = std::env::var_os("OUTBOX_BLESS").is_some();
+    if let Err(message) = crate::compat::check_file(&R::catalog(), snapshot.as_ref(), bless) {
+        panic!("{message}");
     }
 }
