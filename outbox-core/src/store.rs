@@ -87,6 +87,11 @@ pub struct Batch {
     /// aggregate, which later claims need not look at again) and may find more work if asked
     /// again at once.
     pub more: bool,
+    /// The version of the relay registry ([`Store::register`]) as the claim saw it: when it
+    /// differs from the one a relay last registered with, another build came or went, and the
+    /// relay reads the registry again before it fans this batch out. `None` for a store
+    /// without a registry.
+    pub registry: Option<String>,
 }
 
 impl Batch {
@@ -96,6 +101,7 @@ impl Batch {
             token,
             claims,
             more: false,
+            registry: None,
         }
     }
 
@@ -108,6 +114,13 @@ impl Batch {
     #[must_use]
     pub fn with_more(mut self, more: bool) -> Self {
         self.more = more;
+        self
+    }
+
+    /// Says which version of the relay registry the claim saw.
+    #[must_use]
+    pub fn with_registry(mut self, version: Option<String>) -> Self {
+        self.registry = version;
         self
     }
 
@@ -198,6 +211,89 @@ impl Claim {
                 event, subscriber, ..
             } => (event.id, Some(subscriber)),
         }
+    }
+}
+
+/// What a relay leaves to relays of other builds when it claims: the events of types, and the
+/// deliveries of subscribers, that it cannot route but a live relay of another build can. An
+/// event left so also holds back the later events of its aggregate from this claim.
+///
+/// ```
+/// use outbox_core::store::ClaimFilter;
+///
+/// assert!(ClaimFilter::default().is_empty());
+/// ```
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimFilter {
+    /// Event types to leave pending.
+    pub skip_event_types: Vec<String>,
+    /// Subscribers whose deliveries to leave pending.
+    pub skip_subscribers: Vec<String>,
+}
+
+impl ClaimFilter {
+    /// Leaves `event_types` and the deliveries of `subscribers` to other relays.
+    pub fn new(skip_event_types: Vec<String>, skip_subscribers: Vec<String>) -> Self {
+        Self {
+            skip_event_types,
+            skip_subscribers,
+        }
+    }
+
+    /// Whether it leaves nothing.
+    pub fn is_empty(&self) -> bool {
+        self.skip_event_types.is_empty() && self.skip_subscribers.is_empty()
+    }
+}
+
+/// How long a relay's registration ([`Store::register`]) lasts unrenewed: a relay that died
+/// stops counting for the others after this. A running relay renews it every 10 seconds.
+pub const REGISTRATION_TTL: Duration = Duration::from_secs(30);
+
+/// The relays registered in a store ([`Store::register`]): one entry per live relay, with the
+/// routing its build declared, and the registry's version.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Registry {
+    /// Changes whenever a relay registers anew or leaves (it is compared, not interpreted).
+    pub version: String,
+    /// (relay id, its routing as JSON), the registering relay's own included.
+    pub relays: Vec<(Uuid, String)>,
+}
+
+impl Registry {
+    /// A registry of `relays` at `version`.
+    pub fn new(version: String, relays: Vec<(Uuid, String)>) -> Self {
+        Self { version, relays }
+    }
+
+    /// Every event type a live relay routes, by any of its names (current and former).
+    pub fn event_types(&self) -> std::collections::BTreeSet<String> {
+        self.names("events", "type")
+    }
+
+    /// Every subscriber a live relay has, by any of its names (current and former).
+    pub fn subscribers(&self) -> std::collections::BTreeSet<String> {
+        self.names("subscribers", "name")
+    }
+
+    fn names(&self, list: &str, current: &str) -> std::collections::BTreeSet<String> {
+        let mut out = std::collections::BTreeSet::new();
+        for (_, routing) in &self.relays {
+            let Ok(routing) = serde_json::from_str::<serde_json::Value>(routing) else {
+                continue;
+            };
+            for entry in routing[list].as_array().into_iter().flatten() {
+                let formerly = entry["formerly"].as_array().into_iter().flatten();
+                for name in std::iter::once(&entry[current]).chain(formerly) {
+                    if let Some(name) = name.as_str() {
+                        out.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+        out
     }
 }
 
@@ -316,6 +412,18 @@ pub struct Status {
     pub pending_events: u64,
     /// Subscribers' deliveries waiting for a retry or behind an earlier event, dead ones excluded.
     pub pending_deliveries: u64,
+    /// Relays registered and live ([`Store::register`]); 0 when none runs (or the store keeps
+    /// no registry), and then `unroutable_*` are 0 too: nothing says what could be routed.
+    pub live_relays: u64,
+    /// Pending events (dead ones excluded) whose event type no live relay routes: they wait
+    /// for a build that knows them (included in `pending_events`).
+    pub unroutable_events: u64,
+    /// Pending deliveries (dead ones excluded) to subscribers no live relay has (included in
+    /// `pending_deliveries`).
+    pub unroutable_deliveries: u64,
+    /// How long ago the oldest unroutable event occurred, or the oldest unroutable delivery's
+    /// event; `None` when there is none.
+    pub oldest_unroutable_age: Option<Duration>,
     /// Dead events and dead deliveries: they wait for an operator.
     pub dead_letters: u64,
     /// How long ago the oldest pending event occurred (by its `occurred_at`); `None` when no
@@ -382,11 +490,35 @@ pub trait Store: Send + Sync + 'static {
     /// undelivered one of their (subscriber, aggregate). Events held back that way must cost a
     /// claim a bounded amount of work and must never hide other aggregates' events. Claims come
     /// in event id order.
+    ///
+    /// What `filter` names stays pending, unclaimed, for relays of other builds: events of its
+    /// types (and the later events of their aggregates), deliveries of its subscribers.
     fn claim(
         &self,
         limit: u32,
         lease: Duration,
+        filter: &ClaimFilter,
     ) -> impl Future<Output = Result<Batch, StoreError>> + Send;
+
+    /// Registers (or keeps registered) relay `relay` with its build's `routing` (JSON, as the
+    /// relay writes it), ends the registrations not renewed within `ttl`, and returns the live
+    /// ones. Relays of different builds (a rolling deploy) learn from it what the others route.
+    /// A store without a registry returns an empty one: each relay acts as the only build.
+    fn register(
+        &self,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Registry, StoreError>> + Send {
+        let _ = (relay, routing, ttl);
+        async { Ok(Registry::default()) }
+    }
+
+    /// Ends the registration of relay `relay` (a relay shutting down).
+    fn unregister(&self, relay: Uuid) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = relay;
+        async { Ok(()) }
+    }
 
     /// Extends the claim `token` to `lease` from now, if it is still live; false when it is
     /// not (it expired, and its work may belong to another claim by now).

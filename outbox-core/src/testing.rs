@@ -80,8 +80,8 @@ use crate::publish::Publish;
 use crate::relay::{BatchReport, Relay};
 use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
 use crate::store::{
-    self, Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Purged, Requeue,
-    Status, Store, StoredEvent,
+    self, Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Purged,
+    Registry, Requeue, Status, Store, StoredEvent,
 };
 
 /// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
@@ -406,6 +406,9 @@ struct State {
     deliveries: BTreeMap<(i64, String), DeliveryRow>,
     /// Claims by token, with the end of their lease.
     claims: BTreeMap<i64, OffsetDateTime>,
+    /// Registered relays: (routing, generation, last seen).
+    relays: BTreeMap<Uuid, (String, i64, OffsetDateTime)>,
+    next_generation: i64,
 }
 
 impl State {
@@ -475,6 +478,22 @@ impl State {
 
     fn is_live(&self, token: i64, now: OffsetDateTime) -> bool {
         self.claims.get(&token).is_some_and(|until| *until >= now)
+    }
+
+    /// The registry as it stands: its version changes when a relay registers anew or leaves.
+    fn registry(&self) -> Registry {
+        let version = self
+            .relays
+            .values()
+            .map(|(_, generation, _)| generation.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let relays = self
+            .relays
+            .iter()
+            .map(|(id, (routing, _, _))| (*id, routing.clone()))
+            .collect();
+        Registry::new(version, relays)
     }
 }
 
@@ -589,7 +608,12 @@ fn after(now: OffsetDateTime, delay: Duration) -> OffsetDateTime {
 }
 
 impl Store for MemoryStore {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: Duration,
+        filter: &ClaimFilter,
+    ) -> Result<Batch, StoreError> {
         let now = self.clock.now();
         let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         let mut state = lock(&self.state);
@@ -608,6 +632,11 @@ impl Store for MemoryStore {
             let stored = &row.event.stored;
             let key = (stored.aggregate_type.clone(), stored.aggregate_id);
             if held.contains(&key) {
+                continue;
+            }
+            // Left to a relay of another build, with its aggregate's later events.
+            if filter.skip_event_types.contains(&stored.event_type) {
+                held.insert(key);
                 continue;
             }
             let free = !row.event.dead
@@ -630,7 +659,7 @@ impl Store for MemoryStore {
                 row.aggregate_type.as_str(),
                 row.aggregate_id,
             );
-            if closed.contains(&of) {
+            if closed.contains(&of) || filter.skip_subscribers.contains(&key.1) {
                 continue;
             }
             let ready =
@@ -686,13 +715,44 @@ impl Store for MemoryStore {
                 expired: row.expired_claims,
             });
         }
+        let registry = Some(state.registry().version);
         if claims.is_empty() {
-            return Ok(Batch::empty());
+            return Ok(Batch::empty().with_registry(registry));
         }
         state.next_claim = token;
         state.claims.insert(token, after(now, lease));
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(Batch::new(ClaimToken::new(token), claims))
+        Ok(Batch::new(ClaimToken::new(token), claims).with_registry(registry))
+    }
+
+    async fn register(
+        &self,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> Result<Registry, StoreError> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        let oldest = now.checked_sub(time::Duration::try_from(ttl).unwrap_or(time::Duration::MAX));
+        state
+            .relays
+            .retain(|_, (_, _, seen)| oldest.is_none_or(|oldest| *seen >= oldest));
+        let generation = match state.relays.get(&relay) {
+            Some((_, generation, _)) => *generation,
+            None => {
+                state.next_generation += 1;
+                state.next_generation
+            }
+        };
+        state
+            .relays
+            .insert(relay, (routing.to_owned(), generation, now));
+        Ok(state.registry())
+    }
+
+    async fn unregister(&self, relay: Uuid) -> Result<(), StoreError> {
+        lock(&self.state).relays.remove(&relay);
+        Ok(())
     }
 
     async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {
@@ -871,6 +931,43 @@ impl Store for MemoryStore {
             ));
         }
         status.blocked_keys = keys.len() as u64;
+        // What no live relay routes (nothing can be said when none is registered).
+        let oldest_live = now.checked_sub(
+            time::Duration::try_from(store::REGISTRATION_TTL).unwrap_or(time::Duration::MAX),
+        );
+        let live = Registry::new(
+            String::new(),
+            state
+                .relays
+                .iter()
+                .filter(|(_, (_, _, seen))| oldest_live.is_none_or(|oldest| *seen >= oldest))
+                .map(|(id, (routing, _, _))| (*id, routing.clone()))
+                .collect(),
+        );
+        status.live_relays = live.relays.len() as u64;
+        if status.live_relays > 0 {
+            let (types, subscribers) = (live.event_types(), live.subscribers());
+            let age = |at: OffsetDateTime| (now - at).try_into().unwrap_or(Duration::ZERO);
+            for row in state.events.values() {
+                let stored = &row.event.stored;
+                if !row.event.published && !row.event.dead && !types.contains(&stored.event_type) {
+                    status.unroutable_events += 1;
+                    status.oldest_unroutable_age = status
+                        .oldest_unroutable_age
+                        .max(Some(age(stored.occurred_at)));
+                }
+            }
+            for ((id, subscriber), row) in &state.deliveries {
+                if !row.delivery.dead && !subscribers.contains(subscriber) {
+                    status.unroutable_deliveries += 1;
+                    if let Some(event) = state.events.get(id) {
+                        let at = event.event.stored.occurred_at;
+                        status.oldest_unroutable_age =
+                            status.oldest_unroutable_age.max(Some(age(at)));
+                    }
+                }
+            }
+        }
         Ok(status)
     }
 

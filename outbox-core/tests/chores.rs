@@ -43,8 +43,13 @@ struct HangingPurge {
 }
 
 impl Store for HangingPurge {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
-        self.inner.claim(limit, lease).await
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: Duration,
+        filter: &outbox_core::store::ClaimFilter,
+    ) -> Result<Batch, StoreError> {
+        self.inner.claim(limit, lease, filter).await
     }
 
     async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {

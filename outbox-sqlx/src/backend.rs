@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::time::Duration;
 
-use outbox_core::store::{Batch, ClaimToken, Outcomes, Recorded, Requeue};
+use outbox_core::store::{Batch, ClaimFilter, ClaimToken, Outcomes, Recorded, Registry, Requeue};
 use sqlx::Pool;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -40,7 +40,43 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         queries: &Self::Queries,
         limit: u32,
         lease: Duration,
+        filter: &ClaimFilter,
     ) -> impl Future<Output = Result<Batch, sqlx::Error>> + Send;
+
+    /// See [`Store::register`](outbox_core::Store::register).
+    #[doc(hidden)]
+    fn register(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Registry, sqlx::Error>> + Send;
+
+    #[doc(hidden)]
+    fn unregister(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        relay: Uuid,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+    /// The relays registered within `ttl`, read only.
+    #[doc(hidden)]
+    fn live_relays(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Registry, sqlx::Error>> + Send;
+
+    /// Pending events whose type is not in `event_types`, pending deliveries whose subscriber
+    /// is not in `subscribers`, and how long ago the oldest of them occurred.
+    #[doc(hidden)]
+    fn unroutable(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        event_types: Vec<String>,
+        subscribers: Vec<String>,
+    ) -> impl Future<Output = Result<(u64, u64, Option<Duration>), sqlx::Error>> + Send;
 
     #[doc(hidden)]
     fn renew(

@@ -106,7 +106,8 @@ impl TableNames {
             .replace("{holds}", &table("_holds"))
             .replace("{schema}", &self.quoted_schema())
             .replace("{skips}", &table("_skips"))
-            .replace("{inbox}", &table("_inbox"));
+            .replace("{inbox}", &table("_inbox"))
+            .replace("{relays}", &table("_relays"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
         }

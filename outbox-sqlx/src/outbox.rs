@@ -10,12 +10,16 @@ use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
 use crate::wake::Wakeups;
-use outbox_core::store::{Batch, ClaimToken, Outcomes, Purged, Recorded, Requeue, Status};
+use outbox_core::store::{
+    Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
+    Requeue, Status,
+};
 use outbox_core::{
     ConfigError, Delivery, HandlerError, Metadata, Relay, RelayConfig, Router, RunsOn, Store,
     StoreError,
 };
 use sqlx::{Pool, Transaction};
+use uuid::Uuid;
 
 /// The outbox of one database, for the application whose router is `R`: begins transactions
 /// that can publish the events `R` routes, runs the migrations, and gives the relay its store.
@@ -206,9 +210,10 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(DB::dead_letters(self.pool(), self.queries()).await?)
     }
 
-    /// What is left to deliver, and how many dead letters wait for an operator.
+    /// What is left to deliver, how many dead letters wait for an operator, and what no
+    /// running relay can route.
     pub async fn status(&self) -> Result<Status, Error> {
-        Ok(DB::status(self.pool(), self.queries()).await?)
+        Ok(status_of::<DB>(self.pool(), self.queries()).await?)
     }
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
@@ -483,9 +488,51 @@ fn store_error(error: sqlx::Error) -> StoreError {
     }
 }
 
+/// The status with what no live relay routes (when some relay is live).
+async fn status_of<DB: Backend>(
+    pool: &Pool<DB>,
+    queries: &DB::Queries,
+) -> Result<Status, sqlx::Error> {
+    let mut status = DB::status(pool, queries).await?;
+    let live = DB::live_relays(pool, queries, REGISTRATION_TTL).await?;
+    status.live_relays = live.relays.len() as u64;
+    if status.live_relays > 0 {
+        let types = live.event_types().into_iter().collect();
+        let subscribers = live.subscribers().into_iter().collect();
+        let (events, deliveries, oldest) =
+            DB::unroutable(pool, queries, types, subscribers).await?;
+        status.unroutable_events = events;
+        status.unroutable_deliveries = deliveries;
+        status.oldest_unroutable_age = oldest;
+    }
+    Ok(status)
+}
+
 impl<DB: Backend> Store for SqlStore<DB> {
-    async fn claim(&self, limit: u32, lease: std::time::Duration) -> Result<Batch, StoreError> {
-        DB::claim(&self.inner.pool, &self.inner.queries, limit, lease)
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: std::time::Duration,
+        filter: &ClaimFilter,
+    ) -> Result<Batch, StoreError> {
+        DB::claim(&self.inner.pool, &self.inner.queries, limit, lease, filter)
+            .await
+            .map_err(store_error)
+    }
+
+    async fn register(
+        &self,
+        relay: Uuid,
+        routing: &str,
+        ttl: std::time::Duration,
+    ) -> Result<Registry, StoreError> {
+        DB::register(&self.inner.pool, &self.inner.queries, relay, routing, ttl)
+            .await
+            .map_err(store_error)
+    }
+
+    async fn unregister(&self, relay: Uuid) -> Result<(), StoreError> {
+        DB::unregister(&self.inner.pool, &self.inner.queries, relay)
             .await
             .map_err(store_error)
     }
@@ -513,7 +560,7 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn status(&self) -> Result<Status, StoreError> {
-        DB::status(&self.inner.pool, &self.inner.queries)
+        status_of::<DB>(&self.inner.pool, &self.inner.queries)
             .await
             .map_err(store_error)
     }
@@ -576,7 +623,7 @@ pub struct DeadLetter {
     /// The aggregate type.
     pub aggregate_type: String,
     /// The aggregate.
-    pub aggregate_id: uuid::Uuid,
+    pub aggregate_id: Uuid,
     /// Failed attempts (for an event: times parked before it died).
     pub attempts: u32,
     /// Why.

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Recorded,
-    Requeue, Status,
+    Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
+    Recorded, Registry, Requeue, Status,
 };
 use std::sync::Weak;
 
@@ -66,6 +66,11 @@ const MIGRATIONS: &[Migration] = &[
         "an inbox of the messages consumers handled",
         include_str!("../migrations/postgres/0008_an_inbox_of_handled_messages.sql"),
     ),
+    (
+        9,
+        "a registry of live relays and what their builds route",
+        include_str!("../migrations/postgres/0009_a_registry_of_live_relays.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -73,6 +78,13 @@ const MIGRATIONS: &[Migration] = &[
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
+    /// Registers a relay (see [`Backend::register`]).
+    register: SqlStr,
+    unregister: SqlStr,
+    /// The live relays' routing.
+    live_relays: SqlStr,
+    /// Pending events and deliveries of names no live relay routes.
+    unroutable: SqlStr,
     /// Begins a claim (see [`claim_begin`]).
     claim_begin: SqlStr,
     /// Begins an operator's action that can release held events: it takes the claim lock, so
@@ -151,6 +163,7 @@ impl Backend for Postgres {
         let holds = names.qualified("_holds");
         let skips = names.qualified("_skips");
         let inbox = names.qualified("_inbox");
+        let relays = names.qualified("_relays");
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
         // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
         // own namespace (publishers lock aggregates under the table's namespace itself).
@@ -166,6 +179,43 @@ impl Backend for Postgres {
                              AS occurred_at";
         PgQueries {
             lock_namespace: names.lock_namespace(),
+            register: sql(format!(
+                r#"
+WITH gone AS (
+    DELETE FROM {relays} WHERE seen_at < now() - $3 * interval '1 second' AND id <> $1
+),
+me AS (
+    INSERT INTO {relays} (id, routing) VALUES ($1, $2)
+    ON CONFLICT (id) DO UPDATE SET routing = excluded.routing, seen_at = now()
+    RETURNING id, generation, routing
+)
+SELECT id, generation, routing FROM me
+UNION ALL
+SELECT id, generation, routing FROM {relays}
+WHERE id <> $1 AND seen_at >= now() - $3 * interval '1 second'"#
+            )),
+            unregister: sql(format!("DELETE FROM {relays} WHERE id = $1")),
+            live_relays: sql(format!(
+                "SELECT id, generation, routing FROM {relays}
+                 WHERE seen_at >= now() - $1 * interval '1 second'"
+            )),
+            unroutable: sql(format!(
+                r#"
+-- Pending events (`pending_idx`, `stalled_idx`) and deliveries whose names no live relay
+-- routes, and how long ago the oldest of them occurred.
+WITH events AS (
+    SELECT count(*) AS n, min(occurred_at) AS oldest FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL AND event_type <> ALL($1::text[])
+),
+deliveries AS (
+    SELECT count(*) AS n, min(o.occurred_at) AS oldest
+    FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id
+    WHERE d.dead_at IS NULL AND d.subscriber <> ALL($2::text[])
+)
+SELECT e.n, d.n,
+       extract(epoch FROM now() - least(e.oldest, d.oldest))::float8
+FROM events AS e, deliveries AS d"#
+            )),
             claim_begin: sql(claim_begin(lock)),
             record_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
@@ -306,6 +356,13 @@ stalled AS MATERIALIZED (
            ORDER BY e.aggregate_id, e.id
            LIMIT 1)
 ),
+skipped AS MATERIALIZED (
+    -- Per aggregate, its first candidate of a type left to relays of other builds ($4): it
+    -- and the aggregate's later candidates wait for them, unmarked.
+    SELECT c.aggregate_type, c.aggregate_id, min(c.id) AS id FROM candidates AS c
+    WHERE c.event_type = ANY($4::text[])
+    GROUP BY c.aggregate_type, c.aggregate_id
+),
 decided AS MATERIALIZED (
     -- A candidate waits when its aggregate is in a live claim, or has an earlier stalled event.
     -- Behind a claim older than $3 seconds (a slow batch, a dead relay) it is set aside, held by
@@ -324,12 +381,15 @@ decided AS MATERIALIZED (
                WHEN h.claim_id IS NULL AND s.id < c.id THEN
                    CASE WHEN s.root THEN s.id ELSE s.held_behind END
            END AS mark_behind,
-           h.claim_id IS NOT NULL OR coalesce(s.id < c.id, false) AS waits
+           h.claim_id IS NOT NULL OR coalesce(s.id < c.id, false)
+               OR coalesce(x.id <= c.id, false) AS waits
     FROM candidates AS c
     LEFT JOIN claimed_aggregates AS h
         ON h.aggregate_id = c.aggregate_id AND h.aggregate_type = c.aggregate_type
     LEFT JOIN stalled AS s
         ON s.aggregate_id = c.aggregate_id AND s.aggregate_type = c.aggregate_type
+    LEFT JOIN skipped AS x
+        ON x.aggregate_id = c.aggregate_id AND x.aggregate_type = c.aggregate_type
 ),
 marked AS (
     -- (Not the events of a claim that expired just now: `expired_events` writes those rows,
@@ -371,7 +431,10 @@ due AS MATERIALIZED (
     -- waiting for a retry), in order: a key that is free again drains in bulk. The batch is
     -- split between the heads (each gets at least MIN_SHARE rows), so this reads about a
     -- batch of rows.
-    SELECT r.subscriber, r.event_id, r.aggregate_type, r.aggregate_id FROM due_heads AS h
+    -- (Not the heads of subscribers left to relays of other builds, $5: a filter here, after
+    -- the heads' `LIMIT`, leaves the plan of `due_heads` alone.)
+    SELECT r.subscriber, r.event_id, r.aggregate_type, r.aggregate_id
+    FROM (SELECT * FROM due_heads WHERE subscriber <> ALL($5::text[])) AS h
     CROSS JOIN LATERAL (
         SELECT f.subscriber, f.event_id, f.aggregate_type, f.aggregate_id,
                bool_and(f.event_id = h.event_id
@@ -458,9 +521,13 @@ SELECT * FROM claimed_events
 UNION ALL
 SELECT * FROM claimed_deliveries
 UNION ALL
--- The last row says how many events were set aside (the id is NULL).
+-- The last row says how many events were set aside (the id is NULL), and the version of the
+-- relay registry this claim saw.
 SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL, NULL,
-       (SELECT count(*) FROM marked)::int4, NULL, NULL, NULL"#
+       (SELECT count(*) FROM marked)::int4, NULL,
+       (SELECT coalesce(string_agg(r.generation::text, ',' ORDER BY r.generation), '')
+        FROM {relays} AS r),
+       NULL"#
             )),
             renew: sql(format!(
                 "UPDATE {claims} SET until = clock_timestamp() + $2 * interval '1 second'
@@ -856,6 +923,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         limit: u32,
         lease: Duration,
+        filter: &ClaimFilter,
     ) -> Result<Batch, sqlx::Error> {
         // One claimer at a time: the transaction's first statements take the claim lock; the
         // claim statement then sees every claim and record committed before it was granted.
@@ -866,25 +934,94 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .bind(i64::from(limit))
             .bind(lease.as_secs_f64())
             .bind(hold_after(lease).as_secs_f64())
+            .bind(&filter.skip_event_types)
+            .bind(&filter.skip_subscribers)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
         let mut token = None;
         let mut set_aside = 0;
+        let mut registry = None;
         let mut claims = Vec::with_capacity(rows.len());
         for row in &rows {
             token = token.or(row.try_get::<Option<i64>, _>(0)?);
             match row.try_get::<Option<i64>, _>(1)? {
                 Some(_) => claims.push(claim_from_row(row)?),
-                // The last row: how many events were set aside.
-                None => set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0),
+                // The last row: how many events were set aside, the registry's version.
+                None => {
+                    set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0);
+                    registry = row.try_get::<Option<String>, _>(9)?;
+                }
             }
         }
         let Some(token) = token.filter(|_| !claims.is_empty()) else {
-            return Ok(Batch::empty().with_more(set_aside > 0));
+            return Ok(Batch::empty()
+                .with_more(set_aside > 0)
+                .with_registry(registry));
         };
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(Batch::new(ClaimToken::new(token), claims).with_more(set_aside > 0))
+        Ok(Batch::new(ClaimToken::new(token), claims)
+            .with_more(set_aside > 0)
+            .with_registry(registry))
+    }
+
+    async fn register(
+        pool: &PgPool,
+        queries: &PgQueries,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> Result<Registry, sqlx::Error> {
+        let rows: Vec<(Uuid, i64, String)> = sqlx::query_as(queries.register.clone())
+            .bind(relay)
+            .bind(routing)
+            .bind(ttl.as_secs_f64())
+            .fetch_all(pool)
+            .await?;
+        Ok(registry_of(rows))
+    }
+
+    async fn unregister(
+        pool: &PgPool,
+        queries: &PgQueries,
+        relay: Uuid,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(queries.unregister.clone())
+            .bind(relay)
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn live_relays(
+        pool: &PgPool,
+        queries: &PgQueries,
+        ttl: Duration,
+    ) -> Result<Registry, sqlx::Error> {
+        let rows: Vec<(Uuid, i64, String)> = sqlx::query_as(queries.live_relays.clone())
+            .bind(ttl.as_secs_f64())
+            .fetch_all(pool)
+            .await?;
+        Ok(registry_of(rows))
+    }
+
+    async fn unroutable(
+        pool: &PgPool,
+        queries: &PgQueries,
+        event_types: Vec<String>,
+        subscribers: Vec<String>,
+    ) -> Result<(u64, u64, Option<Duration>), sqlx::Error> {
+        let (events, deliveries, oldest): (i64, i64, Option<f64>) =
+            sqlx::query_as(queries.unroutable.clone())
+                .bind(event_types)
+                .bind(subscribers)
+                .fetch_one(pool)
+                .await?;
+        Ok((
+            row_count(events),
+            row_count(deliveries),
+            oldest.map(|age| Duration::try_from_secs_f64(age.max(0.0)).unwrap_or_default()),
+        ))
     }
 
     async fn renew(
@@ -1288,6 +1425,22 @@ impl<'a> Upserts<'a> {
     }
 }
 
+/// A registry of (relay, generation, routing) rows: its version is the ordered generations.
+fn registry_of(mut rows: Vec<(Uuid, i64, String)>) -> Registry {
+    rows.sort_by_key(|row| row.1);
+    let version = rows
+        .iter()
+        .map(|row| row.1.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    Registry::new(
+        version,
+        rows.into_iter()
+            .map(|(id, _, routing)| (id, routing))
+            .collect(),
+    )
+}
+
 /// The status, read on `executor`.
 async fn status_in<'c>(
     executor: impl PgExecutor<'c>,
@@ -1462,6 +1615,10 @@ mod tests {
     use crate::Outbox;
 
     /// A fresh database with the outbox tables in their default names.
+    /// The latest migration: tests that stop at an older one and then claim go on to it (the
+    /// claim reads every table).
+    const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
+
     async fn migrated() -> TestDb {
         let db = TestDb::new().await;
         Outbox::<Postgres, ()>::new(db.pool.clone())
@@ -1521,11 +1678,17 @@ mod tests {
         .execute(&db.pool)
         .await
         .unwrap();
-        migrate_to(&db.pool, &names, 5).await.unwrap();
+        migrate_to(&db.pool, &names, LATEST).await.unwrap();
         let queries = Postgres::queries(&names);
-        let batch = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let batch = Postgres::claim(
+            &db.pool,
+            &queries,
+            10,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
         let claimed: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
         assert_eq!(
             claimed,
@@ -1588,7 +1751,7 @@ mod tests {
             .unwrap();
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE claim(int8, float8, float8) AS {}",
+                "PREPARE claim(int8, float8, float8, text[], text[]) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -1597,7 +1760,7 @@ mod tests {
         }
         // `json` is sent as its text; this crate does not enable sqlx's `json` feature.
         let explained: String = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({batch}, 30, 1)"
+            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}')"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -1766,7 +1929,7 @@ mod tests {
         .execute(&db.pool)
         .await
         .unwrap();
-        migrate_to(&db.pool, &names, 6).await.unwrap();
+        migrate_to(&db.pool, &names, LATEST).await.unwrap();
         let due: Vec<(i64, bool)> = sqlx::query_as(
             "SELECT event_id, next_retry_at IS NOT NULL FROM events.outbox_deliveries
              ORDER BY event_id",
@@ -1783,7 +1946,8 @@ mod tests {
         );
 
         let queries = Postgres::queries(&names);
-        let claim = || Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60));
+        let none = ClaimFilter::default();
+        let claim = || Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60), &none);
         let delivered = |claims: &[Claim]| Outcomes {
             deliveries: claims
                 .iter()
@@ -1817,9 +1981,15 @@ mod tests {
     async fn drain_ids(pool: &PgPool, queries: &PgQueries) -> Vec<i64> {
         let mut claimed = Vec::new();
         loop {
-            let batch = Postgres::claim(pool, queries, 10, Duration::from_secs(60))
-                .await
-                .unwrap();
+            let batch = Postgres::claim(
+                pool,
+                queries,
+                10,
+                Duration::from_secs(60),
+                &ClaimFilter::default(),
+            )
+            .await
+            .unwrap();
             if batch.is_empty() && !batch.more {
                 return claimed;
             }
@@ -1858,9 +2028,15 @@ mod tests {
         };
         // A relay claims e1 and dies; its claim has lasted.
         let e1 = insert().await.unwrap();
-        let first = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let first = Postgres::claim(
+            &db.pool,
+            &queries,
+            10,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
         assert_eq!(first.claims.len(), 1);
         sqlx::query("UPDATE events.outbox_claims SET claimed_at = now() - interval '1 minute'")
             .execute(&db.pool)
@@ -1868,9 +2044,15 @@ mod tests {
             .unwrap();
         // e2 arrives and is set aside behind that claim.
         let e2 = insert().await.unwrap();
-        let batch = Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60))
-            .await
-            .unwrap();
+        let batch = Postgres::claim(
+            &db.pool,
+            &queries,
+            10,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
         assert!(batch.is_empty() && batch.more, "{batch:?}");
         // The dead relay's claim expires; e3 arrives.
         sqlx::query("UPDATE events.outbox_claims SET until = now() - interval '1 second'")
@@ -1912,7 +2094,16 @@ mod tests {
             .unwrap();
         let claim = tokio::spawn({
             let pool = db.pool.clone();
-            async move { Postgres::claim(&pool, &queries, 10, Duration::from_secs(1)).await }
+            async move {
+                Postgres::claim(
+                    &pool,
+                    &queries,
+                    10,
+                    Duration::from_secs(1),
+                    &ClaimFilter::default(),
+                )
+                .await
+            }
         });
         tokio::time::sleep(Duration::from_millis(1500)).await;
         holder.commit().await.unwrap();
@@ -2159,9 +2350,15 @@ mod tests {
         .await
         .unwrap();
         let queries = Postgres::queries(&TableNames::default());
-        let batch = Postgres::claim(&pool, &queries, 100, Duration::from_secs(30))
-            .await
-            .unwrap();
+        let batch = Postgres::claim(
+            &pool,
+            &queries,
+            100,
+            Duration::from_secs(30),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
         let mut outcomes = Outcomes::default();
         for claim in &batch.claims {
             let Claim::Delivery {

@@ -6,13 +6,13 @@
 //! process's clock. SQLite allows one writer at a time, so ids follow commit order without the
 //! advisory lock PostgreSQL needs, and a claim is a short `BEGIN IMMEDIATE` transaction.
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeSet, HashSet};
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Recorded,
-    Requeue, Status,
+    Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
+    Recorded, Registry, Requeue, Status,
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
@@ -66,6 +66,11 @@ const MIGRATIONS: &[Migration] = &[
         "an inbox of the messages consumers handled",
         include_str!("../migrations/sqlite/0007_an_inbox_of_handled_messages.sql"),
     ),
+    (
+        8,
+        "a registry of live relays and what their builds route",
+        include_str!("../migrations/sqlite/0008_a_registry_of_live_relays.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -73,6 +78,12 @@ const MIGRATIONS: &[Migration] = &[
 #[derive(Debug)]
 pub struct SqliteQueries {
     insert: SqlStr,
+    expire_relays: SqlStr,
+    register: SqlStr,
+    unregister: SqlStr,
+    live_relays: SqlStr,
+    registry_version: SqlStr,
+    unroutable: SqlStr,
     expired: SqlStr,
     expire_events: SqlStr,
     expire_deliveries: SqlStr,
@@ -144,9 +155,41 @@ impl Backend for Sqlite {
         let claims = names.local("_claims");
         let skips = names.local("_skips");
         let inbox = names.local("_inbox");
+        let relays = names.local("_relays");
         // Stalled: the event holds its aggregate's later events back for every subscriber.
         let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
         SqliteQueries {
+            expire_relays: sql(format!("DELETE FROM {relays} WHERE seen_at < $1 AND id <> $2")),
+            // A new registration takes the next generation; a renewal keeps its own.
+            register: sql(format!(
+                r#"
+INSERT INTO {relays} (id, generation, routing, registered_at, seen_at)
+VALUES ($1, (SELECT coalesce(max(generation), 0) + 1 FROM {relays}), $2, $3, $3)
+ON CONFLICT (id) DO UPDATE SET routing = excluded.routing, seen_at = excluded.seen_at"#
+            )),
+            unregister: sql(format!("DELETE FROM {relays} WHERE id = $1")),
+            live_relays: sql(format!(
+                "SELECT id, generation, routing FROM {relays} WHERE seen_at >= $1"
+            )),
+            registry_version: sql(format!(
+                "SELECT coalesce(group_concat(generation, ','), '')
+                 FROM (SELECT generation FROM {relays} ORDER BY generation)"
+            )),
+            unroutable: sql(format!(
+                r#"
+WITH events AS (
+    SELECT count(*) AS n, min(occurred_at) AS oldest FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL
+      AND event_type NOT IN (SELECT value FROM json_each($1))
+),
+deliveries AS (
+    SELECT count(*) AS n, min(o.occurred_at) AS oldest
+    FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id
+    WHERE d.dead_at IS NULL AND d.subscriber NOT IN (SELECT value FROM json_each($2))
+)
+SELECT e.n, d.n, min(coalesce(e.oldest, d.oldest), coalesce(d.oldest, e.oldest))
+FROM events AS e, deliveries AS d"#
+            )),
             insert: sql(format!(
                 r#"
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
@@ -174,14 +217,14 @@ ORDER BY key"#
             candidates: sql(format!(
                 r#"
 WITH scanned AS (
-    SELECT id, aggregate_type, aggregate_id FROM {outbox}
+    SELECT id, aggregate_type, aggregate_id, event_type FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
       AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
     ORDER BY id
     LIMIT $2
 ),
 due_parked AS (
-    SELECT id, aggregate_type, aggregate_id FROM {outbox}
+    SELECT id, aggregate_type, aggregate_id, event_type FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at <= $1
       AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
     ORDER BY next_retry_at
@@ -191,7 +234,7 @@ candidates AS MATERIALIZED (
     SELECT * FROM scanned UNION ALL SELECT * FROM due_parked
 ),
 blockers AS (
-    SELECT c.id, (
+    SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, (
         SELECT e.id FROM {outbox} AS e
         WHERE e.aggregate_id = c.aggregate_id AND e.aggregate_type = c.aggregate_type
           AND e.published_at IS NULL AND e.id < c.id
@@ -201,7 +244,8 @@ blockers AS (
     ) AS blocker
     FROM candidates AS c
 )
-SELECT b.id, b.blocker, e.claim_id, k.claimed_at, e.held_by, e.held_behind
+SELECT b.id, b.blocker, e.claim_id, k.claimed_at, e.held_by, e.held_behind,
+       b.aggregate_type, b.aggregate_id, b.event_type
 FROM blockers AS b
 LEFT JOIN {outbox} AS e ON e.id = b.blocker
 LEFT JOIN {claims} AS k ON k.id = e.claim_id
@@ -219,8 +263,10 @@ WHERE {outbox}.id = json_extract(m.value, '$[0]')"#
 WITH heads AS MATERIALIZED (
     -- Due deliveries that are the first of their key: rows behind a head have no due time
     -- and are not read here, however many wait.
+    -- (Not those of subscribers left to relays of other builds, $3.)
     SELECT d.subscriber, d.aggregate_type, d.aggregate_id, d.event_id FROM {deliveries} AS d
     WHERE d.dead_at IS NULL AND d.next_retry_at <= $1 AND d.claim_id IS NULL
+      AND d.subscriber NOT IN (SELECT value FROM json_each($3))
       AND NOT EXISTS (
           SELECT 1 FROM {deliveries} AS h
           WHERE h.subscriber = d.subscriber AND h.aggregate_id = d.aggregate_id
@@ -487,6 +533,7 @@ LIMIT $4"#
         queries: &SqliteQueries,
         limit: u32,
         lease: Duration,
+        filter: &ClaimFilter,
     ) -> Result<Batch, sqlx::Error> {
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
         // The lease runs from when the write lock is granted.
@@ -521,8 +568,22 @@ LIMIT $4"#
             .await?;
         let mut claimable = Vec::new();
         let mut marks = Vec::new();
+        // Aggregates with a candidate of a type left to relays of other builds: it and their
+        // later candidates wait for those, unmarked.
+        let mut skipped: HashSet<(String, Uuid)> = HashSet::new();
         for row in &rows {
             let id: i64 = row.try_get(0)?;
+            if !filter.skip_event_types.is_empty() {
+                let aggregate: (String, Uuid) = (row.try_get(6)?, row.try_get(7)?);
+                let event_type: String = row.try_get(8)?;
+                if filter.skip_event_types.contains(&event_type) {
+                    skipped.insert(aggregate);
+                    continue;
+                }
+                if skipped.contains(&aggregate) {
+                    continue;
+                }
+            }
             let Some(blocker) = row.try_get::<Option<i64>, _>(1)? else {
                 if claimable.len() < usize::try_from(limit).unwrap_or(usize::MAX) {
                     claimable.push(id);
@@ -555,11 +616,17 @@ LIMIT $4"#
         let due = sqlx::query(queries.due_deliveries.clone())
             .bind(now)
             .bind(i64::from(limit))
+            .bind(json!(filter.skip_subscribers).to_string())
             .fetch_all(&mut *tx)
+            .await?;
+        let registry: String = sqlx::query_scalar(queries.registry_version.clone())
+            .fetch_one(&mut *tx)
             .await?;
         if claimable.is_empty() && due.is_empty() {
             tx.commit().await?;
-            return Ok(Batch::empty().with_more(!marks.is_empty()));
+            return Ok(Batch::empty()
+                .with_more(!marks.is_empty())
+                .with_registry(Some(registry)));
         }
         let token: i64 = sqlx::query_scalar(queries.new_claim.clone())
             .bind(until)
@@ -625,7 +692,84 @@ LIMIT $4"#
 
         tx.commit().await?;
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
-        Ok(Batch::new(ClaimToken::new(token), claims).with_more(!marks.is_empty()))
+        Ok(Batch::new(ClaimToken::new(token), claims)
+            .with_more(!marks.is_empty())
+            .with_registry(Some(registry)))
+    }
+
+    async fn register(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> Result<Registry, sqlx::Error> {
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let now = now();
+        let oldest = now.saturating_sub(i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX));
+        sqlx::query(queries.expire_relays.clone())
+            .bind(oldest)
+            .bind(relay.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(queries.register.clone())
+            .bind(relay.to_string())
+            .bind(routing)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?;
+        let rows: Vec<(String, i64, String)> = sqlx::query_as(queries.live_relays.clone())
+            .bind(oldest)
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(registry_of(rows))
+    }
+
+    async fn unregister(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        relay: Uuid,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(queries.unregister.clone())
+            .bind(relay.to_string())
+            .execute(pool)
+            .await?;
+        Ok(())
+    }
+
+    async fn live_relays(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        ttl: Duration,
+    ) -> Result<Registry, sqlx::Error> {
+        let oldest = now().saturating_sub(i64::try_from(ttl.as_micros()).unwrap_or(i64::MAX));
+        let rows: Vec<(String, i64, String)> = sqlx::query_as(queries.live_relays.clone())
+            .bind(oldest)
+            .fetch_all(pool)
+            .await?;
+        Ok(registry_of(rows))
+    }
+
+    async fn unroutable(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        event_types: Vec<String>,
+        subscribers: Vec<String>,
+    ) -> Result<(u64, u64, Option<Duration>), sqlx::Error> {
+        let (events, deliveries, oldest): (i64, i64, Option<i64>) =
+            sqlx::query_as(queries.unroutable.clone())
+                .bind(json!(event_types).to_string())
+                .bind(json!(subscribers).to_string())
+                .fetch_one(pool)
+                .await?;
+        let age = oldest
+            .map(|at| Duration::from_micros(u64::try_from(now().saturating_sub(at)).unwrap_or(0)));
+        Ok((
+            u64::try_from(events).unwrap_or(0),
+            u64::try_from(deliveries).unwrap_or(0),
+            age,
+        ))
     }
 
     async fn renew(
@@ -1031,6 +1175,21 @@ LIMIT $4"#
                 .rows_affected()),
         }
     }
+}
+
+/// A registry of (relay, generation, routing) rows: its version is the ordered generations.
+fn registry_of(mut rows: Vec<(String, i64, String)>) -> Registry {
+    rows.sort_by_key(|row| row.1);
+    let version = rows
+        .iter()
+        .map(|row| row.1.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    let relays = rows
+        .into_iter()
+        .filter_map(|(id, _, routing)| Some((Uuid::parse_str(&id).ok()?, routing)))
+        .collect();
+    Registry::new(version, relays)
 }
 
 fn count(value: i64) -> u32 {

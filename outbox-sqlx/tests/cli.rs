@@ -112,6 +112,12 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
     // The parked Pong's aggregate and the dead event's.
     assert_eq!(status["blocked_aggregates"], 2, "{status}");
     assert_eq!(status["held_events"], 0, "{status}");
+    // The relay that ran is registered (for 30 s): the parked Pong is what no running relay
+    // routes.
+    assert_eq!(status["live_relays"], 1, "{status}");
+    assert_eq!(status["unroutable_events"], 1, "{status}");
+    assert_eq!(status["unroutable_deliveries"], 0, "{status}");
+    assert!(status["oldest_unroutable_age_seconds"].as_f64().unwrap() > 0.0);
     let age = status["oldest_pending_age_seconds"].as_f64().unwrap();
     assert!(age > 0.0 && age < WAIT.as_secs_f64(), "{status}");
     assert_eq!(
@@ -121,6 +127,10 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
     let table = ok(&db, &["status"]);
     assert!(table.contains("dead letters        2\n"), "{table}");
     assert!(table.contains("blocked aggregates  2\n"), "{table}");
+    assert!(
+        table.contains("unroutable          1 events, 0 deliveries, oldest "),
+        "{table}"
+    );
     assert!(
         table.contains("SUBSCRIBER  PENDING  DEAD  BLOCKED KEYS\n"),
         "{table}"

@@ -23,7 +23,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use outbox_core::store::{Batch, Outcomes, Purged, Recorded, Requeue, Status};
+use outbox_core::store::{
+    Batch, ClaimFilter, Outcomes, Purged, Recorded, Registry, Requeue, Status,
+};
 use outbox_core::{
     ClaimToken, Delivery, Handle, HandlerError, OutboxEvent, Relay, RelayConfig, Retention, Store,
     StoreError, router, subscriber,
@@ -360,9 +362,28 @@ struct Counting<S> {
 }
 
 impl<S: Store> Store for Counting<S> {
-    async fn claim(&self, limit: u32, lease: Duration) -> Result<Batch, StoreError> {
+    async fn claim(
+        &self,
+        limit: u32,
+        lease: Duration,
+        filter: &ClaimFilter,
+    ) -> Result<Batch, StoreError> {
         self.commits.fetch_add(1, Ordering::Relaxed);
-        self.inner.claim(limit, lease).await
+        self.inner.claim(limit, lease, filter).await
+    }
+
+    async fn register(
+        &self,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> Result<Registry, StoreError> {
+        self.commits.fetch_add(1, Ordering::Relaxed);
+        self.inner.register(relay, routing, ttl).await
+    }
+
+    async fn unregister(&self, relay: Uuid) -> Result<(), StoreError> {
+        self.inner.unregister(relay).await
     }
 
     async fn renew(&self, token: ClaimToken, lease: Duration) -> Result<bool, StoreError> {

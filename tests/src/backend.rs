@@ -183,7 +183,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 8;
+    const LATEST_MIGRATION: i32 = 9;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
@@ -456,7 +456,7 @@ impl SqliteFile {
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
-    const LATEST_MIGRATION: i32 = 7;
+    const LATEST_MIGRATION: i32 = 8;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
         let file = SqliteFile {

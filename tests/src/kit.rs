@@ -468,12 +468,26 @@ impl<S: Store> Store for WatchedStore<S> {
         &self,
         limit: u32,
         lease: Duration,
+        filter: &outbox_core::store::ClaimFilter,
     ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
-        let batch = self.inner.claim(limit, lease).await?;
+        let batch = self.inner.claim(limit, lease, filter).await?;
         if batch.is_empty() {
             self.idle.notify_one();
         }
         Ok(batch)
+    }
+
+    async fn register(
+        &self,
+        relay: Uuid,
+        routing: &str,
+        ttl: Duration,
+    ) -> Result<outbox_core::store::Registry, outbox_core::StoreError> {
+        self.inner.register(relay, routing, ttl).await
+    }
+
+    async fn unregister(&self, relay: Uuid) -> Result<(), outbox_core::StoreError> {
+        self.inner.unregister(relay).await
     }
 
     async fn renew(

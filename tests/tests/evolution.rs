@@ -12,11 +12,15 @@ use outbox_core::{
 use outbox_sqlx::Outbox;
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::run_until;
+
 use outbox_tests::on_both_backends;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-on_both_backends!(a_renamed_event_type_and_subscriber_keep_their_stored_work);
+on_both_backends!(
+    a_renamed_event_type_and_subscriber_keep_their_stored_work,
+    relays_of_two_builds_leave_each_other_what_only_the_other_routes,
+);
 
 /// The old build's event.
 #[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
@@ -216,6 +220,177 @@ async fn a_renamed_event_type_and_subscriber_keep_their_stored_work<B: TestBacke
         "{events:?}"
     );
     assert!(new.status().await.unwrap().is_settled());
+}
+
+/// A new event type of the newer build.
+#[derive(Debug, Clone, Serialize, Deserialize, OutboxEvent)]
+#[outbox(aggregate_type = "bot", event_type = "BotRetired")]
+struct BotRetired {
+    #[outbox(aggregate_id)]
+    bot: Uuid,
+    seq: u32,
+}
+
+/// Records every call, whatever the event: (its name, stored type, aggregate, seq).
+macro_rules! recording_subscriber {
+    ($name:ident, $($attr:tt)*) => {
+        #[subscriber($($attr)*)]
+        struct $name(Calls);
+
+        impl<E: OutboxEvent + Seq> Handle<E> for $name {
+            async fn handle(&self, event: &E, delivery: &Delivery<'_>) -> Result<(), HandlerError> {
+                self.0.lock().unwrap().push((
+                    delivery.subscriber().to_owned(),
+                    delivery.event().event_type.clone(),
+                    event.aggregate_id(),
+                    event.seq(),
+                    delivery.attempt(),
+                    true,
+                ));
+                Ok(())
+            }
+        }
+    };
+}
+
+trait Seq {
+    fn seq(&self) -> u32;
+}
+
+impl Seq for BotAdded {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
+impl Seq for BotInstalled {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
+impl Seq for BotRetired {
+    fn seq(&self) -> u32 {
+        self.seq
+    }
+}
+
+recording_subscriber!(OldMailer, events = [BotAdded], name = "mailer");
+
+#[router(events = [BotAdded])]
+struct OldRelease {
+    mailer: OldMailer,
+}
+
+recording_subscriber!(
+    NewNotifier,
+    events = [BotInstalled, BotRetired],
+    name = "notifier",
+    formerly = ["mailer"]
+);
+recording_subscriber!(Auditor, events = [BotInstalled], name = "auditor");
+
+#[router(events = [BotInstalled, BotRetired])]
+struct NewRelease {
+    notifier: NewNotifier,
+    auditor: Auditor,
+}
+
+async fn relays_of_two_builds_leave_each_other_what_only_the_other_routes<B: TestBackend>() {
+    let (_db, old) = outbox::<B, OldRelease>().await;
+    let new = Outbox::<B, NewRelease>::new(old.pool().clone());
+    let (old_calls, new_calls) = (Calls::default(), Calls::default());
+    let old_relay = Relay::new(
+        old.store(),
+        OldRelease {
+            mailer: OldMailer(old_calls.clone()),
+        },
+        config(Duration::from_secs(3600)),
+    )
+    .unwrap();
+    let new_relay = Relay::new(
+        new.store(),
+        NewRelease {
+            notifier: NewNotifier(new_calls.clone()),
+            auditor: Auditor(new_calls.clone()),
+        },
+        config(Duration::from_secs(3600)),
+    )
+    .unwrap();
+    // Both at work: each registered what its build routes, and the old one has seen the new
+    // one register (its next claim saw the registry change). (A claim made before it saw that
+    // would give back what only the new build routes, unparked: see `plan.rs`.)
+    old_relay.run_once().await.unwrap();
+    new_relay.run_once().await.unwrap();
+    old_relay.run_once().await.unwrap();
+    assert_eq!(old.status().await.unwrap().live_relays, 2);
+
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let mut tx = new.begin().await.unwrap();
+    tx.publish(&BotRetired { bot: a, seq: 1 }).await.unwrap();
+    tx.commit().await.unwrap();
+    let mut tx = old.begin().await.unwrap();
+    tx.publish(&BotAdded { bot: a, seq: 2 }).await.unwrap();
+    tx.publish(&BotAdded { bot: b, seq: 1 }).await.unwrap();
+    tx.commit().await.unwrap();
+
+    // The old build leaves `BotRetired` (and a's later event) to the new build, without
+    // parking it, and fans b's event out to the new build's `auditor` too (a delivery that
+    // waits for it), delivering it to `mailer` itself.
+    let report = old_relay.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.parked), (1, 0), "{report:?}");
+    let seen: Vec<(String, Uuid, u32)> = old_calls
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|c| (c.0.clone(), c.2, c.3))
+        .collect();
+    assert_eq!(seen, [("mailer".to_owned(), b, 1)]);
+    let waiting: Vec<(String, u64)> = old
+        .subscribers()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| (s.subscriber, s.pending))
+        .collect();
+    assert_eq!(waiting, [("auditor".to_owned(), 1)]);
+
+    // The new build delivers the rest, in order per aggregate.
+    let of = |subscriber: &str, bot: Uuid| {
+        new_calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|c| c.0 == subscriber && c.2 == bot)
+            .map(|c| c.3)
+            .collect::<Vec<_>>()
+    };
+    run_until(&new_relay, Duration::from_secs(20), || {
+        of("notifier", a).len() == 2 && of("auditor", a).len() == 1 && of("auditor", b).len() == 1
+    })
+    .await;
+    assert_eq!(of("notifier", a), [1, 2]);
+    assert_eq!(
+        of("notifier", b),
+        [0u32; 0],
+        "b reached `mailer`, the same subscriber"
+    );
+    let events = B::events(old.pool()).await;
+    assert!(
+        events.iter().all(|e| e.published && e.parked == 0),
+        "{events:?}"
+    );
+
+    // What no live relay routes is shown, with its age.
+    let status = new.status().await.unwrap();
+    assert_eq!(
+        (status.unroutable_events, status.unroutable_deliveries),
+        (0, 0)
+    );
+    B::insert_raw(old.pool(), "BotExploded", a, "{}").await;
+    let status = new.status().await.unwrap();
+    assert_eq!(status.unroutable_events, 1);
+    assert!(status.oldest_unroutable_age.is_some());
 }
 
 #[test]

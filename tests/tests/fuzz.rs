@@ -84,7 +84,12 @@ struct OneBatch {
 }
 
 impl Store for OneBatch {
-    async fn claim(&self, _: u32, _: Duration) -> Result<Batch, StoreError> {
+    async fn claim(
+        &self,
+        _: u32,
+        _: Duration,
+        _: &outbox_core::store::ClaimFilter,
+    ) -> Result<Batch, StoreError> {
         let claims = self.claims.lock().unwrap().take().unwrap_or_default();
         Ok(Batch::new(ClaimToken::new(1), claims))
     }

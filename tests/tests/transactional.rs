@@ -372,7 +372,7 @@ async fn a_lost_claim_writes_nothing_and_says_so<B: TestBackend>() {
     tx.commit().await.unwrap();
     let batch = outbox
         .store()
-        .claim(10, Duration::from_secs(30))
+        .claim(10, Duration::from_secs(30), &Default::default())
         .await
         .unwrap();
     let event = batch.claims[0].event().unwrap().clone();

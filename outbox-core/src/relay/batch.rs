@@ -10,6 +10,7 @@ use tokio::sync::Semaphore;
 use uuid::Uuid;
 
 use super::attempt::Under;
+use super::builds::Others;
 use super::lease::Lease;
 use super::plan::{self, Plan, Planned, Routes, Slot, Step};
 use super::{BatchReport, Relay};
@@ -19,23 +20,44 @@ use crate::store::{
     Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
 };
 
-impl<S: Store, R: Router> Routes for Relay<S, R> {
+/// A relay's routes for planning one batch: its own, and what the other builds registered.
+struct Planning<'a, S, R> {
+    relay: &'a Relay<S, R>,
+    others: Others,
+}
+
+impl<S: Store, R: Router> Routes for Planning<'_, S, R> {
     type Decoded = Decoded;
 
     fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
-        self.router.subscribers(event_type)
+        self.relay.router.subscribers(event_type)
     }
 
     fn current_subscriber(&self, stored: &str) -> Option<&'static str> {
-        self.router.current_subscriber(stored)
+        self.relay
+            .router
+            .current_subscriber(stored)
+            .or_else(|| self.others.alias(stored))
+    }
+
+    fn foreign_subscribers(&self, event_type: &str) -> &[String] {
+        self.others.foreign_subscribers(event_type)
+    }
+
+    fn routed_elsewhere(&self, event_type: &str) -> bool {
+        self.others.routes_event(event_type)
+    }
+
+    fn subscriber_elsewhere(&self, stored: &str) -> bool {
+        self.others.has_subscriber(stored)
     }
 
     fn decode(&self, event: &StoredEvent) -> Result<Decoded, DecodeError> {
-        Relay::decode(self, event)
+        Relay::decode(self.relay, event)
     }
 
     fn park_delay(&self) -> std::time::Duration {
-        self.config.park_delay
+        self.relay.config.park_delay
     }
 }
 
@@ -65,7 +87,11 @@ impl<S: Store, R: Router> Relay<S, R> {
         lease: &Lease,
     ) -> (BatchReport, Outcomes) {
         let claimed = claims.len();
-        let plan = plan::plan(claims, self);
+        let planning = Planning {
+            relay: self,
+            others: self.builds.others(),
+        };
+        let plan = plan::plan(claims, &planning);
         let calls = Calls {
             permits: Semaphore::new(self.config.concurrency),
             out_of_lease: AtomicBool::new(false),
@@ -127,7 +153,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     decoded,
                     expired,
                     slots,
-                } => (event, decoded, slots[step.slot].subscriber, 1, *expired),
+                } => (event, decoded, &*slots[step.slot].subscriber, 1, *expired),
                 Planned::Again {
                     event,
                     decoded,
@@ -369,7 +395,7 @@ mod tests {
             slots: slots
                 .iter()
                 .map(|s| FanOutSlot {
-                    subscriber: s,
+                    subscriber: (*s).into(),
                     slot: Slot::Run,
                     record_as: None,
                 })

@@ -12,6 +12,7 @@
 
 mod attempt;
 mod batch;
+mod builds;
 mod config;
 mod lease;
 mod plan;
@@ -87,6 +88,8 @@ pub struct Relay<S, R> {
     /// Shared by every `run` of this relay: workers running one relay do the chores once per
     /// interval between them, and a `run` started again does not redo them.
     chores: Mutex<Chores>,
+    /// Its registration in the store, and what relays of other builds route.
+    builds: builds::Builds,
 }
 
 /// When a running relay next reports its status and purges old events.
@@ -181,6 +184,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             router,
             config,
             chores: Mutex::new(Chores::new()),
+            builds: builds::Builds::new(&R::catalog()),
         })
     }
 
@@ -219,6 +223,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             () = deliveries => {}
             never = chores => match never {},
         }
+        // Other builds stop counting on it now, not when its registration expires.
+        self.builds.unregister(&self.store).await;
     }
 
     /// Does the chores when they are due, for ever.
@@ -431,10 +437,25 @@ impl<S: Store, R: Router> Relay<S, R> {
         Ok(report)
     }
 
+    /// Claims a batch, leaving to relays of other builds what only they route. The registry
+    /// is read first when its heartbeat is due, and again when the claim saw it change, so
+    /// that the batch is fanned out to the subscribers of every build registered before it.
     async fn claim(&self) -> Result<Batch, StoreError> {
-        self.store
-            .claim(self.config.batch_size, self.config.lease)
-            .await
+        self.builds.renew_if_due(&self.store, &self.router).await?;
+        let filter = self.builds.others().filter().clone();
+        let batch = self
+            .store
+            .claim(self.config.batch_size, self.config.lease, &filter)
+            .await?;
+        if self.builds.is_stale(batch.registry.as_ref()) {
+            self.builds.renew(&self.store, &self.router).await?;
+        }
+        Ok(batch)
+    }
+
+    /// This relay's id in the store's registry of relays.
+    pub fn id(&self) -> uuid::Uuid {
+        self.builds.id()
     }
 
     /// Hands a claimed batch to its subscribers in a batch span, renewing its claim while the

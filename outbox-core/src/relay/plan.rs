@@ -29,6 +29,22 @@ pub(super) trait Routes {
     /// The current name of the subscriber whose deliveries are stored as `stored` (its name, or
     /// one it had before a rename), or `None` if this build has no such subscriber.
     fn current_subscriber(&self, stored: &str) -> Option<&'static str>;
+    /// The subscribers that relays of other builds route `event_type` to and this build does
+    /// not have, by the names they registered.
+    fn foreign_subscribers(&self, event_type: &str) -> &[String] {
+        let _ = event_type;
+        &[]
+    }
+    /// Whether a live relay of another build routes `event_type` (which this build does not).
+    fn routed_elsewhere(&self, event_type: &str) -> bool {
+        let _ = event_type;
+        false
+    }
+    /// Whether a live relay of another build has a subscriber stored as `stored`.
+    fn subscriber_elsewhere(&self, stored: &str) -> bool {
+        let _ = stored;
+        false
+    }
     /// Decodes `event`.
     fn decode(&self, event: &StoredEvent) -> Result<Self::Decoded, DecodeError>;
     /// How long parked work waits.
@@ -81,8 +97,8 @@ pub(super) enum Planned<D> {
 /// One subscriber's share of a fanned-out event.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct FanOutSlot {
-    /// The subscriber.
-    pub(super) subscriber: &'static str,
+    /// The subscriber: one of this build's, or another build's (whose delivery waits for it).
+    pub(super) subscriber: std::borrow::Cow<'static, str>,
     /// What to do.
     pub(super) slot: Slot,
     /// The name to record a delivery under, when not `subscriber`: the subscriber was renamed
@@ -94,7 +110,7 @@ pub(super) struct FanOutSlot {
 impl FanOutSlot {
     /// The name the slot's delivery is recorded under.
     pub(super) fn stored_name(&self) -> &str {
-        self.record_as.as_deref().unwrap_or(self.subscriber)
+        self.record_as.as_deref().unwrap_or(&self.subscriber)
     }
 }
 
@@ -261,6 +277,11 @@ fn plan_event<R: Routes>(
     }
     let Some(subscribers) = routes.subscribers(&event.event_type) else {
         planner.stall(&event);
+        if routes.routed_elsewhere(&event.event_type) {
+            // A relay of another build routes it (it registered after this claim was made):
+            // give it back, with its aggregate's later events, for that relay.
+            return decided(&event, EventOutcome::Released);
+        }
         telemetry::dispatched(&event.event_type, status::PARKED);
         let reason = stored_text(format!(
             "no subscriber in this build knows event type `{}`",
@@ -321,9 +342,18 @@ fn plan_event<R: Routes>(
             Slot::Run
         };
         slots.push(FanOutSlot {
-            subscriber,
+            subscriber: subscriber.into(),
             slot,
             record_as,
+        });
+    }
+    // Subscribers of other builds: their deliveries wait for a relay that has them.
+    for foreign in routes.foreign_subscribers(&event.event_type) {
+        planner.blocked.insert(key(foreign, &event));
+        slots.push(FanOutSlot {
+            subscriber: foreign.clone().into(),
+            slot: Slot::Decided(DeliveryOutcome::Waiting),
+            record_as: None,
         });
     }
     Planned::FanOut {
@@ -404,6 +434,9 @@ fn plan_again<R: Routes>(
                 }
             }
         }
+    } else if current.is_none() && routes.subscriber_elsewhere(&subscriber) {
+        // A relay of another build has it (it registered after this claim was made).
+        DeliveryOutcome::Released
     } else {
         telemetry::dispatched(&event.event_type, status::PARKED);
         park(format!(
@@ -510,7 +543,7 @@ mod tests {
                     .iter()
                     .map(|step| match &plan.claims[step.claim] {
                         Planned::FanOut { event, slots, .. } => {
-                            (event.id, slots[step.slot].subscriber)
+                            (event.id, &*slots[step.slot].subscriber)
                         }
                         Planned::Again { event, current, .. } => (event.id, *current),
                         _ => panic!("a decided claim in a queue"),
@@ -593,7 +626,7 @@ mod tests {
 
     fn slot(subscriber: &'static str, slot: Slot, record_as: Option<&str>) -> FanOutSlot {
         FanOutSlot {
-            subscriber,
+            subscriber: subscriber.into(),
             slot,
             record_as: record_as.map(str::to_owned),
         }
@@ -642,6 +675,80 @@ mod tests {
             slot("y", Slot::Decided(DeliveryOutcome::Waiting), Some("old_y"))
         );
         assert_eq!(slots_of(3)[1], slot("y", Slot::Run, None));
+    }
+
+    /// `Fake`, beside a relay of another build that routes event type `c`, has subscriber `w`,
+    /// and routes `a` to `w` too.
+    struct BesideAnother;
+
+    impl Routes for BesideAnother {
+        type Decoded = ();
+
+        fn subscribers(&self, event_type: &str) -> Option<&[&'static str]> {
+            Fake.subscribers(event_type)
+        }
+
+        fn current_subscriber(&self, stored: &str) -> Option<&'static str> {
+            Fake.current_subscriber(stored)
+        }
+
+        fn foreign_subscribers(&self, event_type: &str) -> &[String] {
+            static W: std::sync::LazyLock<Vec<String>> =
+                std::sync::LazyLock::new(|| vec!["w".to_owned()]);
+            if event_type == "a" { &W } else { &[] }
+        }
+
+        fn routed_elsewhere(&self, event_type: &str) -> bool {
+            event_type == "c"
+        }
+
+        fn subscriber_elsewhere(&self, stored: &str) -> bool {
+            stored == "w"
+        }
+
+        fn decode(&self, event: &StoredEvent) -> Result<(), DecodeError> {
+            Fake.decode(event)
+        }
+
+        fn park_delay(&self) -> Duration {
+            Fake.park_delay()
+        }
+    }
+
+    #[test]
+    fn work_another_build_routes_is_given_back_and_its_subscribers_get_their_deliveries() {
+        let plan = plan(
+            vec![
+                event(1, "c", 1),
+                event(2, "a", 1),
+                event(3, "a", 2),
+                Claim::Delivery {
+                    event: stored(4, "a", 3, "{}"),
+                    subscriber: "w".to_owned(),
+                    attempts: 0,
+                    expired: 0,
+                },
+            ],
+            &BesideAnother,
+        );
+        // A type only the other build routes: given back, unparked, with its aggregate's later
+        // events; a delivery of the other build's subscriber: given back.
+        assert_eq!(event_outcome(&plan, 0), &EventOutcome::Released);
+        assert_eq!(event_outcome(&plan, 1), &EventOutcome::Released);
+        assert_eq!(delivery_outcome(&plan, 3), &DeliveryOutcome::Released);
+        // Its subscriber `w` takes `a` in the other build: a delivery that waits for it.
+        let Planned::FanOut { slots, .. } = &plan.claims[2] else {
+            panic!("a fan-out");
+        };
+        assert_eq!(
+            slots,
+            &[
+                slot("x", Slot::Run, None),
+                slot("y", Slot::Run, None),
+                slot("w", Slot::Decided(DeliveryOutcome::Waiting), None),
+            ]
+        );
+        assert_eq!(queues(&plan), vec![vec![(3, "x")], vec![(3, "y")]]);
     }
 
     #[test]

@@ -354,6 +354,11 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             "blocked_keys": status.blocked_keys,
             "blocked_aggregates": status.blocked_aggregates,
             "held_events": status.held_events,
+            "live_relays": status.live_relays,
+            "unroutable_events": status.unroutable_events,
+            "unroutable_deliveries": status.unroutable_deliveries,
+            "oldest_unroutable_age_seconds":
+                status.oldest_unroutable_age.map(|age| age.as_secs_f64()),
             "subscribers": subscribers,
         });
         return Ok(format!("{value}\n"));
@@ -379,6 +384,23 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
                 status.blocked_aggregates.to_string(),
             ],
             vec!["held events".into(), status.held_events.to_string()],
+            vec!["live relays".into(), status.live_relays.to_string()],
+            // What no running relay's build routes (unknown while none runs).
+            vec![
+                "unroutable".into(),
+                if status.live_relays == 0 {
+                    "- (no relay running)".to_owned()
+                } else {
+                    format!(
+                        "{} events, {} deliveries{}",
+                        status.unroutable_events,
+                        status.unroutable_deliveries,
+                        status
+                            .oldest_unroutable_age
+                            .map_or_else(String::new, |age| format!(", oldest {}", human_age(age)))
+                    )
+                },
+            ],
         ],
     );
     if !subscribers.is_empty() {
