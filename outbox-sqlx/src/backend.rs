@@ -201,6 +201,22 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 }
 
+/// A registry of (relay, generation, routing) rows: its version is the ordered generations.
+pub(crate) fn registry_of(mut rows: Vec<(Uuid, i64, String)>) -> Registry {
+    rows.sort_by_key(|row| row.1);
+    let version = rows
+        .iter()
+        .map(|row| row.1.to_string())
+        .collect::<Vec<_>>()
+        .join(",");
+    Registry::new(
+        version,
+        rows.into_iter()
+            .map(|(id, _, routing)| (id, routing))
+            .collect(),
+    )
+}
+
 /// An encoded event on its way into the store.
 #[doc(hidden)]
 #[derive(Debug)]

@@ -17,7 +17,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
+    apply_migrations, registry_of, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -1423,22 +1423,6 @@ impl<'a> Upserts<'a> {
         self.delays.push(delay.map(|d| d.as_secs_f64()));
         self.dead.push(dead);
     }
-}
-
-/// A registry of (relay, generation, routing) rows: its version is the ordered generations.
-fn registry_of(mut rows: Vec<(Uuid, i64, String)>) -> Registry {
-    rows.sort_by_key(|row| row.1);
-    let version = rows
-        .iter()
-        .map(|row| row.1.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    Registry::new(
-        version,
-        rows.into_iter()
-            .map(|(id, _, routing)| (id, routing))
-            .collect(),
-    )
 }
 
 /// The status, read on `executor`.

@@ -21,7 +21,7 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
+    self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
     apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
@@ -1177,19 +1177,15 @@ LIMIT $4"#
     }
 }
 
-/// A registry of (relay, generation, routing) rows: its version is the ordered generations.
-fn registry_of(mut rows: Vec<(String, i64, String)>) -> Registry {
-    rows.sort_by_key(|row| row.1);
-    let version = rows
-        .iter()
-        .map(|row| row.1.to_string())
-        .collect::<Vec<_>>()
-        .join(",");
-    let relays = rows
-        .into_iter()
-        .filter_map(|(id, _, routing)| Some((Uuid::parse_str(&id).ok()?, routing)))
-        .collect();
-    Registry::new(version, relays)
+/// The registry of (relay id as text, generation, routing) rows.
+fn registry_of(rows: Vec<(String, i64, String)>) -> Registry {
+    backend::registry_of(
+        rows.into_iter()
+            .filter_map(|(id, generation, routing)| {
+                Some((Uuid::parse_str(&id).ok()?, generation, routing))
+            })
+            .collect(),
+    )
 }
 
 fn count(value: i64) -> u32 {
