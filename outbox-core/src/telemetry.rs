@@ -17,6 +17,9 @@
 //! | `outbox_blocked_keys_count` | gauge | | (subscriber, aggregate) pairs whose later events wait behind an undelivered one |
 //! | `outbox_blocked_aggregates_count` | gauge | | aggregates held back for every subscriber, behind a dead or parked event or a claim that lasted |
 //! | `outbox_held_events_count` | gauge | | events set aside behind an earlier event of their aggregate |
+//! | `outbox_relays_live_count` | gauge | | relays at work on the store (registered, of any build) |
+//! | `outbox_events_unroutable_count` | gauge | | pending events of a type no live relay routes |
+//! | `outbox_deliveries_unroutable_count` | gauge | | pending deliveries to a subscriber no live relay has |
 //! | `outbox_claims_lost_total` | counter | | batches whose claim expired before the relay recorded them (a relay that stalled past its lease): their outcomes were dropped and the work is delivered again |
 //!
 //! Counters and the histogram are recorded as deliveries happen. Gauges come from the store
@@ -69,7 +72,13 @@ pub const BLOCKED_KEYS_COUNT: &str = "outbox_blocked_keys_count";
 pub const BLOCKED_AGGREGATES_COUNT: &str = "outbox_blocked_aggregates_count";
 /// Events set aside behind an earlier event of their aggregate.
 pub const HELD_EVENTS_COUNT: &str = "outbox_held_events_count";
-/// Batches whose claim was lost before they were recorded.
+/// Gauge: relays at work on the store, of any build.
+pub const LIVE_RELAYS_COUNT: &str = "outbox_relays_live_count";
+/// Gauge: pending events of a type no live relay routes.
+pub const UNROUTABLE_EVENTS_COUNT: &str = "outbox_events_unroutable_count";
+/// Gauge: pending deliveries to a subscriber no live relay has.
+pub const UNROUTABLE_DELIVERIES_COUNT: &str = "outbox_deliveries_unroutable_count";
+/// Counter: batches whose claim expired before they were recorded.
 pub const CLAIMS_LOST_TOTAL: &str = "outbox_claims_lost_total";
 
 /// `status` label values of [`DISPATCHED_TOTAL`].
@@ -131,6 +140,21 @@ pub(crate) fn describe() {
         Unit::Count,
         "Outbox events set aside behind an earlier event of their aggregate"
     );
+    describe_gauge!(
+        LIVE_RELAYS_COUNT,
+        Unit::Count,
+        "Relays at work on the outbox, of any build"
+    );
+    describe_gauge!(
+        UNROUTABLE_EVENTS_COUNT,
+        Unit::Count,
+        "Pending outbox events of a type no live relay routes"
+    );
+    describe_gauge!(
+        UNROUTABLE_DELIVERIES_COUNT,
+        Unit::Count,
+        "Pending outbox deliveries to a subscriber no live relay has"
+    );
     describe_counter!(
         CLAIMS_LOST_TOTAL,
         Unit::Count,
@@ -164,6 +188,9 @@ pub(crate) fn report(status: &Status) {
     gauge!(BLOCKED_KEYS_COUNT).set(status.blocked_keys as f64);
     gauge!(BLOCKED_AGGREGATES_COUNT).set(status.blocked_aggregates as f64);
     gauge!(HELD_EVENTS_COUNT).set(status.held_events as f64);
+    gauge!(LIVE_RELAYS_COUNT).set(status.live_relays as f64);
+    gauge!(UNROUTABLE_EVENTS_COUNT).set(status.unroutable_events as f64);
+    gauge!(UNROUTABLE_DELIVERIES_COUNT).set(status.unroutable_deliveries as f64);
 }
 
 #[cfg(feature = "opentelemetry")]

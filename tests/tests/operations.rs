@@ -197,6 +197,19 @@ async fn a_relay_reports_every_metric_with_its_value_and_labels<B: TestBackend>(
             key("gauge", telemetry::HELD_EVENTS_COUNT, &[]),
             Value::Gauge(0.0),
         ),
+        // This relay, registered; the parked Pong is what it does not route.
+        (
+            key("gauge", telemetry::LIVE_RELAYS_COUNT, &[]),
+            Value::Gauge(1.0),
+        ),
+        (
+            key("gauge", telemetry::UNROUTABLE_EVENTS_COUNT, &[]),
+            Value::Gauge(1.0),
+        ),
+        (
+            key("gauge", telemetry::UNROUTABLE_DELIVERIES_COUNT, &[]),
+            Value::Gauge(0.0),
+        ),
     ]
     .into_iter()
     .collect();
