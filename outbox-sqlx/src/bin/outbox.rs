@@ -20,6 +20,7 @@ use outbox_core::store::Requeue;
 use outbox_sqlx::{Backend, DeadLetter, Outbox, TableNames};
 use serde::Serialize;
 use serde_json::{Value, json};
+use sqlx::Connection;
 use sqlx::pool::PoolOptions;
 use time::OffsetDateTime;
 use time::format_description::well_known::Rfc3339;
@@ -191,13 +192,29 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
 }
 
 async fn connect<DB: Backend>(url: &str) -> Result<sqlx::Pool<DB>, Failure> {
+    let cannot = |error: sqlx::Error| Failure(format!("cannot connect to the database: {error}"));
+    // One connection first, alone: its error is the cause (connection refused, unknown host,
+    // authentication), where a pool retries until its timeout and reports only that.
+    let first = tokio::time::timeout(CONNECT_TIMEOUT, DB::Connection::connect(url))
+        .await
+        .map_err(|_| {
+            Failure(format!(
+                "cannot connect to the database: no answer within {} s",
+                CONNECT_TIMEOUT.as_secs()
+            ))
+        })?
+        .map_err(cannot)?;
+    let _ = first.close().await;
     PoolOptions::<DB>::new()
         .max_connections(2)
-        .acquire_timeout(Duration::from_secs(10))
+        .acquire_timeout(CONNECT_TIMEOUT)
         .connect(url)
         .await
-        .map_err(|error| Failure(format!("cannot connect to the database: {error}")))
+        .map_err(cannot)
 }
+
+/// How long the tool waits for the database to answer.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn run<DB: Backend>(
     pool: sqlx::Pool<DB>,
