@@ -298,7 +298,7 @@ async fn databases_it_cannot_use_are_clear_errors_with_exit_code_1() {
             && stderr.to_lowercase().contains("connection refused"),
         "{stderr}"
     );
-    assert!(took < std::time::Duration::from_secs(2), "took {took:?}");
+    assert!(took < Duration::from_secs(2), "took {took:?}");
     let mysql = ["--database-url", "mysql://root@127.0.0.1/test", "status"];
     let stderr = fails(None, &mysql, 1);
     assert!(
