@@ -241,7 +241,8 @@ async fn steps<DB: Db>(outbox: &Outbox<DB, App>, controls: &Controls) -> Result<
     Ok(())
 }
 
-/// Waits until the relay has nothing left but dead letters.
+/// Waits until the relay has nothing left to do: what is left is dead letters and what waits
+/// behind them (`Status::is_settled`).
 async fn settle<DB: Db>(outbox: &Outbox<DB, App>) -> Result<Status, BoxError> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
     loop {

@@ -439,12 +439,26 @@ pub struct Status {
     /// Events set aside behind an earlier event of their aggregate (included in
     /// `pending_events`).
     pub held_events: u64,
+    /// Pending events and deliveries (included in `pending_events` and
+    /// `pending_deliveries`) that wait behind a dead letter: events of an aggregate after its
+    /// first dead event (once a claim has met them and set them aside), deliveries of a
+    /// (subscriber, aggregate) key after its first dead one. Only an operator moves them
+    /// (requeue or skip the dead letter).
+    pub behind_dead_letters: u64,
 }
 
 impl Status {
-    /// Whether the relay has nothing left to do but dead letters.
+    /// Whether the relay has nothing left to do: what is not done is dead letters and what
+    /// waits behind them ([`behind_dead_letters`](Self::behind_dead_letters)), which only an
+    /// operator moves. Parked events (waiting for a build that can read them) and deliveries
+    /// waiting for a retry are work left to do: not settled.
     pub fn is_settled(&self) -> bool {
-        self.pending_events == 0 && self.pending_deliveries == 0
+        self.pending_events + self.pending_deliveries <= self.behind_dead_letters
+    }
+
+    /// Whether nothing at all is left: no pending work and no dead letter.
+    pub fn is_empty(&self) -> bool {
+        self.pending_events == 0 && self.pending_deliveries == 0 && self.dead_letters == 0
     }
 }
 

@@ -931,6 +931,34 @@ impl Store for MemoryStore {
             ));
         }
         status.blocked_keys = keys.len() as u64;
+        // What dead letters hold back: events of an aggregate after its first dead event,
+        // deliveries of a key after its first dead one (rows are in id order).
+        let mut dead_aggregates: BTreeSet<(&str, Uuid)> = BTreeSet::new();
+        for row in state.events.values() {
+            let stored = &row.event.stored;
+            let key = (stored.aggregate_type.as_str(), stored.aggregate_id);
+            if row.event.published {
+                continue;
+            }
+            if row.event.dead {
+                dead_aggregates.insert(key);
+            } else if dead_aggregates.contains(&key) {
+                status.behind_dead_letters += 1;
+            }
+        }
+        let mut dead_keys: BTreeSet<(&str, &str, Uuid)> = BTreeSet::new();
+        for ((_, subscriber), row) in &state.deliveries {
+            let key = (
+                subscriber.as_str(),
+                row.aggregate_type.as_str(),
+                row.aggregate_id,
+            );
+            if row.delivery.dead {
+                dead_keys.insert(key);
+            } else if dead_keys.contains(&key) {
+                status.behind_dead_letters += 1;
+            }
+        }
         // What no live relay routes (nothing can be said when none is registered).
         let oldest_live = now.checked_sub(
             time::Duration::try_from(store::REGISTRATION_TTL).unwrap_or(time::Duration::MAX),

@@ -807,7 +807,7 @@ WITH pending AS MATERIALIZED (
 ),
 stalled AS MATERIALIZED (
     -- Dead, parked and held events (`stalled_idx`).
-    SELECT aggregate_type, aggregate_id, dead_at, occurred_at FROM {outbox}
+    SELECT id, aggregate_type, aggregate_id, dead_at, occurred_at FROM {outbox}
     WHERE published_at IS NULL
       AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
            OR held_by IS NOT NULL OR held_behind IS NOT NULL)
@@ -822,7 +822,24 @@ SELECT p.events + (SELECT count(*) FROM stalled WHERE dead_at IS NULL),
             SELECT DISTINCT subscriber, aggregate_type, aggregate_id FROM {deliveries}) AS k),
        (SELECT count(*) FROM (SELECT DISTINCT aggregate_type, aggregate_id FROM stalled) AS k),
        (SELECT count(*) FROM {outbox} WHERE held_by IS NOT NULL)
-         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL)
+         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL),
+       -- What dead letters hold back: events of an aggregate set aside after its first dead
+       -- event (the claim sets aside what it meets behind one; `stalled` has them), and
+       -- deliveries of a key after its first dead one (probes of `deliveries_head_idx`).
+       (SELECT count(*) FROM (
+            SELECT s.aggregate_type, s.aggregate_id, min(s.id) AS id FROM stalled AS s
+            WHERE s.dead_at IS NOT NULL GROUP BY s.aggregate_type, s.aggregate_id) AS r
+        JOIN stalled AS e
+          ON e.aggregate_id = r.aggregate_id AND e.aggregate_type = r.aggregate_type
+        WHERE e.dead_at IS NULL AND e.id > r.id)
+         + (SELECT count(*) FROM (
+                SELECT k.subscriber, k.aggregate_type, k.aggregate_id, min(k.event_id) AS event_id
+                FROM {deliveries} AS k WHERE k.dead_at IS NOT NULL
+                GROUP BY k.subscriber, k.aggregate_type, k.aggregate_id) AS k
+            JOIN {deliveries} AS d
+              ON d.subscriber = k.subscriber AND d.aggregate_id = k.aggregate_id
+             AND d.aggregate_type = k.aggregate_type
+            WHERE d.dead_at IS NULL AND d.event_id > k.event_id)
 FROM pending AS p"#
             )),
             subscribers: sql(subscribers_query(&deliveries)),
@@ -1430,8 +1447,8 @@ async fn status_in<'c>(
     executor: impl PgExecutor<'c>,
     queries: &PgQueries,
 ) -> Result<Status, sqlx::Error> {
-    type Row = (i64, Option<f64>, i64, i64, i64, i64, i64);
-    let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
+    type Row = (i64, Option<f64>, i64, i64, i64, i64, i64, i64);
+    let (events, oldest, deliveries, dead, blocked, aggregates, held, behind_dead): Row =
         sqlx::query_as(queries.status.clone())
             .fetch_one(executor)
             .await?;
@@ -1444,6 +1461,7 @@ async fn status_in<'c>(
     status.pending_deliveries = row_count(deliveries);
     status.dead_letters = row_count(dead);
     status.blocked_keys = row_count(blocked);
+    status.behind_dead_letters = row_count(behind_dead);
     Ok(status)
 }
 

@@ -436,7 +436,27 @@ SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS 
               AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
                    OR held_by IS NOT NULL OR held_behind IS NOT NULL))),
        (SELECT count(*) FROM {outbox} WHERE held_by IS NOT NULL)
-         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL)"#
+         + (SELECT count(*) FROM {outbox} WHERE held_behind IS NOT NULL),
+       -- What dead letters hold back: events of an aggregate set aside after its first dead
+       -- event (the claim sets aside what it meets behind one), deliveries of a key after
+       -- its first dead one.
+       (SELECT count(*) FROM (
+            SELECT aggregate_type, aggregate_id, min(id) AS id FROM {outbox}
+            WHERE published_at IS NULL AND dead_at IS NOT NULL
+            GROUP BY aggregate_type, aggregate_id) AS r
+        JOIN {outbox} AS e
+          ON e.aggregate_id = r.aggregate_id AND e.aggregate_type = r.aggregate_type
+        WHERE e.published_at IS NULL AND e.dead_at IS NULL AND e.id > r.id
+          AND (e.next_retry_at IS NOT NULL OR e.held_by IS NOT NULL
+               OR e.held_behind IS NOT NULL))
+         + (SELECT count(*) FROM (
+                SELECT subscriber, aggregate_type, aggregate_id, min(event_id) AS event_id
+                FROM {deliveries} WHERE dead_at IS NOT NULL
+                GROUP BY subscriber, aggregate_type, aggregate_id) AS k
+            JOIN {deliveries} AS d
+              ON d.subscriber = k.subscriber AND d.aggregate_id = k.aggregate_id
+             AND d.aggregate_type = k.aggregate_type
+            WHERE d.dead_at IS NULL AND d.event_id > k.event_id)"#
             )),
             subscribers: sql(subscribers_query(&deliveries)),
             skip_delivery: sql(format!(
@@ -1035,8 +1055,8 @@ LIMIT $4"#
     }
 
     async fn status(pool: &SqlitePool, queries: &SqliteQueries) -> Result<Status, sqlx::Error> {
-        type Row = (i64, Option<i64>, i64, i64, i64, i64, i64);
-        let (events, oldest, deliveries, dead, blocked, aggregates, held): Row =
+        type Row = (i64, Option<i64>, i64, i64, i64, i64, i64, i64);
+        let (events, oldest, deliveries, dead, blocked, aggregates, held, behind_dead): Row =
             sqlx::query_as(queries.status.clone())
                 .fetch_one(pool)
                 .await?;
@@ -1050,6 +1070,7 @@ LIMIT $4"#
         status.pending_deliveries = row_count(deliveries);
         status.dead_letters = row_count(dead);
         status.blocked_keys = row_count(blocked);
+        status.behind_dead_letters = row_count(behind_dead);
         Ok(status)
     }
 

@@ -22,6 +22,7 @@ on_both_backends!(
     transient_failure_records_attempts_error_and_next_retry_then_delivers_after_the_delay,
     exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow,
     a_permanent_error_is_a_dead_letter_at_once_with_its_reason,
+    settled_means_only_dead_letters_and_what_they_hold_back_are_left,
     a_panicking_handler_is_a_transient_failure_not_a_crash,
     undecodable_payloads_become_dead_letters_and_the_relay_keeps_running,
     an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs,
@@ -264,6 +265,58 @@ async fn exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_wh
         .collect();
     assert_eq!(left, [dead_id]);
     assert!(delivery::<B>(outbox.pool(), "x", dead_id).await.unwrap().2);
+}
+
+async fn settled_means_only_dead_letters_and_what_they_hold_back_are_left<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    // a: x's delivery of the first dies, the next two wait behind it for x; b: flows; c: an
+    // event that never decodes (dead), and one after it.
+    for seq in 1..=3 {
+        publish_one(&outbox, a, seq).await;
+    }
+    publish_one(&outbox, b, 1).await;
+    insert_raw::<B>(outbox.pool(), "Ping", c, r#"{"version": 1}"#).await;
+    publish_one(&outbox, c, 2).await;
+    let status = outbox.status().await.unwrap();
+    assert!(!status.is_settled(), "{status:?}");
+
+    let relay = relay(&outbox, XAndY::new(&probe), config());
+    run_until(&relay, WAIT, || {
+        probe.delivered_to("y").len() == 4 && probe.delivered_to("x").len() == 1
+    })
+    .await;
+    // The relay looks once more and finds nothing to do (c:2 is set aside behind c's dead
+    // event as a claim meets it).
+    for _ in 0..10 {
+        let report = relay.run_once().await.unwrap();
+        if report.claimed == 0 && !report.more {
+            break;
+        }
+    }
+    let status = outbox.status().await.unwrap();
+    // Left: x's dead delivery of a:1 and its a:2, a:3 behind it; the dead event of c and c:2.
+    assert_eq!(status.dead_letters, 2, "{status:?}");
+    assert_eq!(status.pending_deliveries, 2, "{status:?}");
+    assert_eq!(status.pending_events, 1, "{status:?}");
+    assert_eq!(status.behind_dead_letters, 3, "{status:?}");
+    assert!(status.is_settled(), "{status:?}");
+    assert!(!status.is_empty());
+
+    // A parked event is work left for a build that can read it: not settled.
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: Uuid::new_v4(),
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(relay.run_once().await.unwrap().parked, 1);
+    let status = outbox.status().await.unwrap();
+    assert!(!status.is_settled(), "{status:?}");
 }
 
 async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBackend>() {

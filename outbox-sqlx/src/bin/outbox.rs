@@ -371,6 +371,8 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             "blocked_keys": status.blocked_keys,
             "blocked_aggregates": status.blocked_aggregates,
             "held_events": status.held_events,
+            "behind_dead_letters": status.behind_dead_letters,
+            "settled": status.is_settled(),
             "live_relays": status.live_relays,
             "unroutable_events": status.unroutable_events,
             "unroutable_deliveries": status.unroutable_deliveries,
@@ -401,6 +403,10 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
                 status.blocked_aggregates.to_string(),
             ],
             vec!["held events".into(), status.held_events.to_string()],
+            vec![
+                "behind dead letters".into(),
+                status.behind_dead_letters.to_string(),
+            ],
             vec!["live relays".into(), status.live_relays.to_string()],
             // What no running relay's build routes (unknown while none runs).
             vec![
