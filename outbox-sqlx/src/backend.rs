@@ -145,6 +145,13 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         batch_size: u32,
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
 
+    /// The dead letters grouped by (subscriber, first line of the last error).
+    #[doc(hidden)]
+    fn dead_letter_groups(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<Vec<crate::DeadLetterGroup>, sqlx::Error>> + Send;
+
     #[doc(hidden)]
     fn dead_letters(
         pool: &Pool<Self>,
@@ -240,6 +247,58 @@ pub struct SubscriberStatus {
     pub dead: u64,
     /// Aggregates whose later events wait for this subscriber.
     pub blocked_keys: u64,
+}
+
+/// Dead letters grouped by subscriber and the first line of their last error, largest groups
+/// first; `first_line` is the dialect's expression for the first line of a text column.
+pub(crate) fn dead_letter_groups_query(
+    outbox: &str,
+    deliveries: &str,
+    first_line: impl Fn(&str) -> String,
+) -> String {
+    let line = first_line("x.last_error");
+    format!(
+        r#"
+SELECT x.subscriber, {line} AS first_line, count(*) AS dead,
+       min(x.event_id) AS first_event_id, max(x.event_id) AS last_event_id
+FROM (
+    SELECT NULL AS subscriber, o.last_error, o.id AS event_id FROM {outbox} AS o
+    WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
+    UNION ALL
+    SELECT d.subscriber, d.last_error, d.event_id FROM {deliveries} AS d
+    WHERE d.dead_at IS NOT NULL
+) AS x
+GROUP BY x.subscriber, {line}
+ORDER BY dead DESC, first_event_id"#
+    )
+}
+
+/// One group of [`dead_letter_groups_query`]'s rows.
+pub(crate) fn dead_letter_group<R: sqlx::Row>(
+    row: &R,
+) -> Result<crate::DeadLetterGroup, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    let subscriber: Option<String> = row.try_get("subscriber")?;
+    let first_line: String = row.try_get("first_line")?;
+    let kind = match (&subscriber, first_line.as_str()) {
+        (None, _) => "undecodable",
+        (Some(_), line) if line.starts_with("permanent error") => "permanent",
+        (Some(_), line) if line.starts_with("transient error") => "retries exhausted",
+        _ => "other",
+    };
+    Ok(crate::DeadLetterGroup {
+        subscriber,
+        kind,
+        first_line,
+        dead: u64::try_from(row.try_get::<i64, _>("dead")?).unwrap_or(0),
+        first_event_id: row.try_get("first_event_id")?,
+        last_event_id: row.try_get("last_event_id")?,
+    })
 }
 
 /// Per-subscriber counts; the same SQL on every backend.

@@ -210,6 +210,12 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(DB::dead_letters(self.pool(), self.queries()).await?)
     }
 
+    /// The dead letters grouped by failure (subscriber and first line of the last error),
+    /// largest groups first: what went wrong, once per cause.
+    pub async fn dead_letter_groups(&self) -> Result<Vec<DeadLetterGroup>, Error> {
+        Ok(DB::dead_letter_groups(self.pool(), self.queries()).await?)
+    }
+
     /// What is left to deliver, how many dead letters wait for an operator, and what no
     /// running relay can route.
     pub async fn status(&self) -> Result<Status, Error> {
@@ -628,6 +634,25 @@ pub struct DeadLetter {
     pub attempts: u32,
     /// Why.
     pub last_error: Option<String>,
+}
+
+/// Dead letters that failed alike: one subscriber, one first line of the last error. One bad
+/// deploy is one group, not ten thousand rows.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DeadLetterGroup {
+    /// The subscriber; `None` for events that cannot be decoded at all.
+    pub subscriber: Option<String>,
+    /// What kind of failure: `permanent` (a handler said so), `retries exhausted` (transient
+    /// failures until the retry schedule ran out), `undecodable` (the event itself), `other`.
+    pub kind: &'static str,
+    /// The first line of the last error.
+    pub first_line: String,
+    /// How many dead letters.
+    pub dead: u64,
+    /// The first and last event ids of the group.
+    pub first_event_id: i64,
+    /// See `first_event_id`.
+    pub last_event_id: i64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -17,7 +17,8 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, registry_of, row_count, sealed, sql, subscriber_status, subscribers_query,
+    apply_migrations, dead_letter_group, dead_letter_groups_query, registry_of, row_count, sealed,
+    sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -113,6 +114,7 @@ pub struct PgQueries {
     lock_delivery_key: SqlStr,
     subscribers: SqlStr,
     dead_letters: SqlStr,
+    dead_letter_groups: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
 }
@@ -783,6 +785,9 @@ SELECT (SELECT count(*) FROM deleted),
        (SELECT (extract(epoch FROM l.published_at) * 1000000)::int8 FROM last AS l),
        (SELECT l.id FROM last AS l)"#
             )),
+            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
+                format!("split_part(coalesce({c}, ''), E'\\n', 1)", c = c)
+            })),
             dead_letters: sql(format!(
                 r#"
 SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
@@ -1237,6 +1242,18 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         after: Option<PurgedUpTo>,
     ) -> Result<PurgeStep, sqlx::Error> {
         purge_step(pool, queries, older_than, i64::from(batch_size), after).await
+    }
+
+    async fn dead_letter_groups(
+        pool: &PgPool,
+        queries: &PgQueries,
+    ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
+        sqlx::query(queries.dead_letter_groups.clone())
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(dead_letter_group)
+            .collect()
     }
 
     async fn dead_letters(

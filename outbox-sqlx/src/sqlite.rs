@@ -22,7 +22,8 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
+    apply_migrations, dead_letter_group, dead_letter_groups_query, row_count, sealed, sql,
+    subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -122,6 +123,7 @@ pub struct SqliteQueries {
     status: SqlStr,
     subscribers: SqlStr,
     dead_letters: SqlStr,
+    dead_letter_groups: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
@@ -409,6 +411,9 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                  SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
                  WHERE subscriber = $1 AND dead_at IS NOT NULL"
             )),
+            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
+                format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)", c = c)
+            })),
             dead_letters: sql(format!(
                 r#"
 SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
@@ -1030,6 +1035,18 @@ LIMIT $4"#
                 .filter(|_| full)
                 .map(|&(id, published_at, _)| PurgedUpTo { published_at, id }),
         })
+    }
+
+    async fn dead_letter_groups(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+    ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
+        sqlx::query(queries.dead_letter_groups.clone())
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(dead_letter_group)
+            .collect()
     }
 
     async fn dead_letters(

@@ -169,6 +169,75 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_grouped_by_failure_one_line_per_cause() {
+    let db = TestDb::new().await;
+    ok(&db, &["migrate"]);
+    let outbox: Outbox<Postgres, PingPong> = Outbox::new(db.pool.clone());
+    let probe = Probe::default();
+    // One bad deploy of `y`: 50 dead deliveries for one cause; `x` fails 5; 3 events never
+    // decode.
+    for n in 0..50 {
+        let aggregate = Uuid::new_v4();
+        probe.fail("y", aggregate, 1, [Fail::Permanent]);
+        if n < 5 {
+            probe.fail("x", aggregate, 1, [Fail::Permanent]);
+        }
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq: 1 }).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    for _ in 0..3 {
+        sqlx::query(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('probe', $1, 'Ping', '{\"version\": 1}')",
+        )
+        .bind(Uuid::new_v4())
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    }
+    let relay = Relay::new(outbox.store(), XAndY::new(&probe), RelayConfig::default()).unwrap();
+    run_until(&relay, WAIT, || probe.calls_of("y").len() == 50).await;
+    let deadline = std::time::Instant::now() + WAIT;
+    while outbox.status().await.unwrap().dead_letters < 58 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the dead letters were not recorded"
+        );
+        relay.run_once().await.unwrap();
+    }
+
+    let groups = json_of(&db, &["dead-letters", "groups"]);
+    let rows: Vec<(Value, String, u64)> = groups
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| {
+            (
+                g["subscriber"].clone(),
+                g["kind"].as_str().unwrap().to_owned(),
+                g["dead"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        rows,
+        [
+            (Value::from("y"), "permanent".to_owned(), 50),
+            (Value::from("x"), "permanent".to_owned(), 5),
+            (Value::Null, "undecodable".to_owned(), 3),
+        ]
+    );
+    assert_eq!(
+        groups[0]["first_line"],
+        "permanent error: scripted permanent failure"
+    );
+    let table = ok(&db, &["dead-letters", "groups"]);
+    assert!(table.starts_with("DEAD  SUBSCRIBER  KIND"), "{table}");
+    assert_eq!(table.lines().count(), 4, "{table}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
     let (db, [delivered, doomed, raw]) = scenario().await;
     let (doomed_id, raw_id) = (doomed.to_string(), raw.to_string());

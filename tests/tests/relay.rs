@@ -304,6 +304,21 @@ async fn settled_means_only_dead_letters_and_what_they_hold_back_are_left<B: Tes
     assert_eq!(status.behind_dead_letters, 3, "{status:?}");
     assert!(status.is_settled(), "{status:?}");
     assert!(!status.is_empty());
+    // Grouped by failure: one group per cause.
+    let groups: Vec<(Option<String>, &str, u64)> = outbox
+        .dead_letter_groups()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|g| (g.subscriber, g.kind, g.dead))
+        .collect();
+    assert_eq!(
+        groups,
+        [
+            (Some("x".to_owned()), "permanent", 1),
+            (None, "undecodable", 1)
+        ]
+    );
 
     // A parked event is work left for a build that can read it: not settled.
     let mut tx = outbox.begin().await.unwrap();

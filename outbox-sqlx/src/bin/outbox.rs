@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use outbox_core::store::Requeue;
-use outbox_sqlx::{Backend, DeadLetter, Outbox, TableNames};
+use outbox_sqlx::{Backend, DeadLetter, DeadLetterGroup, Outbox, TableNames};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::Connection;
@@ -77,6 +77,9 @@ enum DeadLetters {
         #[arg(long)]
         event_type: Option<String>,
     },
+    /// Dead letters grouped by failure: subscriber, kind and first line of the error, largest
+    /// groups first
+    Groups,
 }
 
 #[derive(Args)]
@@ -250,6 +253,10 @@ async fn run<DB: Backend>(
                 .collect();
             Ok(dead_letters(&letters, json))
         }
+        Command::DeadLetters(DeadLetters::Groups) => Ok(dead_letter_groups(
+            &outbox.dead_letter_groups().await?,
+            json,
+        )),
         Command::Requeue(args) => {
             let which = match &args.subscriber {
                 Some(subscriber) => Requeue::Subscriber(subscriber.clone()),
@@ -444,6 +451,43 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
         ));
     }
     Ok(out)
+}
+
+fn dead_letter_groups(groups: &[DeadLetterGroup], json: bool) -> String {
+    if json {
+        let rows: Vec<Value> = groups
+            .iter()
+            .map(|g| {
+                json!({
+                    "subscriber": g.subscriber,
+                    "kind": g.kind,
+                    "first_line": g.first_line,
+                    "dead": g.dead,
+                    "first_event_id": g.first_event_id,
+                    "last_event_id": g.last_event_id,
+                })
+            })
+            .collect();
+        return format!("{}\n", Value::from(rows));
+    }
+    if groups.is_empty() {
+        return "no dead letters\n".to_owned();
+    }
+    table(
+        &["DEAD", "SUBSCRIBER", "KIND", "EVENTS", "ERROR"],
+        &groups
+            .iter()
+            .map(|g| {
+                vec![
+                    g.dead.to_string(),
+                    g.subscriber.clone().unwrap_or_else(|| "(all)".to_owned()),
+                    g.kind.to_owned(),
+                    format!("{}..{}", g.first_event_id, g.last_event_id),
+                    shorten(&g.first_line, 60),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    )
 }
 
 fn dead_letters(letters: &[DeadLetter], json: bool) -> String {
