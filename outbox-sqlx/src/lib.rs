@@ -82,7 +82,7 @@ pub use backend::{PurgeStep, PurgedUpTo};
 pub use error::Error;
 pub use inbox::Received;
 pub use names::TableNames;
-pub use outbox::{DeadLetter, DeadLetterGroup, Outbox, SqlStore};
+pub use outbox::{DeadLetter, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, SqlStore};
 pub use outbox_core as core;
 pub use outbox_core::store::{Requeue, Status};
 pub use tx::{

@@ -17,8 +17,8 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, dead_letter_group, dead_letter_groups_query, registry_of, row_count, sealed,
-    sql, subscriber_status, subscribers_query,
+    apply_migrations, dead_letter_group, dead_letter_groups_query, list_query, listed, registry_of,
+    row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -115,6 +115,8 @@ pub struct PgQueries {
     subscribers: SqlStr,
     dead_letters: SqlStr,
     dead_letter_groups: SqlStr,
+    /// One page of each state, in the order of `ListState::ALL`.
+    list: [SqlStr; 7],
     skip_delivery: SqlStr,
     skip_event: SqlStr,
 }
@@ -785,6 +787,11 @@ SELECT (SELECT count(*) FROM deleted),
        (SELECT (extract(epoch FROM l.published_at) * 1000000)::int8 FROM last AS l),
        (SELECT l.id FROM last AS l)"#
             )),
+            list: crate::ListState::ALL.map(|state| {
+                sql(list_query(&outbox, &deliveries, &skips, state, |n, ty| {
+                    format!("${n}::{ty}")
+                }))
+            }),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("split_part(coalesce({c}, ''), E'\\n', 1)", c = c)
             })),
@@ -1242,6 +1249,29 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         after: Option<PurgedUpTo>,
     ) -> Result<PurgeStep, sqlx::Error> {
         purge_step(pool, queries, older_than, i64::from(batch_size), after).await
+    }
+
+    async fn list(
+        pool: &PgPool,
+        queries: &PgQueries,
+        query: &crate::ListQuery,
+    ) -> Result<Vec<crate::Listed>, sqlx::Error> {
+        let index = crate::ListState::ALL
+            .iter()
+            .position(|state| *state == query.state)
+            .unwrap_or(0);
+        sqlx::query(queries.list[index].clone())
+            .bind(&query.subscriber)
+            .bind(&query.event_type)
+            .bind(query.aggregate_id)
+            .bind(query.after.0)
+            .bind(&query.after.1)
+            .bind(i64::from(query.limit))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| listed(row, query.state))
+            .collect()
     }
 
     async fn dead_letter_groups(

@@ -22,8 +22,8 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, dead_letter_group, dead_letter_groups_query, row_count, sealed, sql,
-    subscriber_status, subscribers_query,
+    apply_migrations, dead_letter_group, dead_letter_groups_query, list_query, listed, row_count,
+    sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -124,6 +124,8 @@ pub struct SqliteQueries {
     subscribers: SqlStr,
     dead_letters: SqlStr,
     dead_letter_groups: SqlStr,
+    /// One page of each state, in the order of `ListState::ALL`.
+    list: [SqlStr; 7],
     skip_delivery: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
@@ -411,6 +413,9 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                  SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
                  WHERE subscriber = $1 AND dead_at IS NOT NULL"
             )),
+            list: crate::ListState::ALL.map(|state| {
+                sql(list_query(&outbox, &deliveries, &skips, state, |n, _| format!("${n}")))
+            }),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)", c = c)
             })),
@@ -1035,6 +1040,29 @@ LIMIT $4"#
                 .filter(|_| full)
                 .map(|&(id, published_at, _)| PurgedUpTo { published_at, id }),
         })
+    }
+
+    async fn list(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        query: &crate::ListQuery,
+    ) -> Result<Vec<crate::Listed>, sqlx::Error> {
+        let index = crate::ListState::ALL
+            .iter()
+            .position(|state| *state == query.state)
+            .unwrap_or(0);
+        sqlx::query(queries.list[index].clone())
+            .bind(&query.subscriber)
+            .bind(&query.event_type)
+            .bind(query.aggregate_id)
+            .bind(query.after.0)
+            .bind(&query.after.1)
+            .bind(i64::from(query.limit))
+            .fetch_all(pool)
+            .await?
+            .iter()
+            .map(|row| listed(row, query.state))
+            .collect()
     }
 
     async fn dead_letter_groups(

@@ -238,6 +238,67 @@ async fn dead_letters_are_grouped_by_failure_one_line_per_cause() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hundred_thousand_dead_letters_are_listed_a_page_at_a_time() {
+    const DEAD: usize = 100_000;
+    const PAGE: usize = 10_000;
+    let db = TestDb::new().await;
+    ok(&db, &["migrate"]);
+    sqlx::query(
+        "INSERT INTO events.outbox
+             (aggregate_type, aggregate_id, event_type, payload, dead_at, last_error)
+         SELECT 'probe', gen_random_uuid(), 'Ping', '{}', now(), 'broken'
+         FROM generate_series(1, $1)",
+    )
+    .bind(i32::try_from(DEAD).unwrap())
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    // Each page is one query with a LIMIT: the tool holds a page, never the whole list.
+    let limit = PAGE.to_string();
+    let (mut seen, mut pages, mut after): (Vec<i64>, usize, Option<String>) = (Vec::new(), 0, None);
+    loop {
+        let mut args = vec!["list", "--state", "dead", "--limit", &limit];
+        if let Some(after) = &after {
+            args.extend(["--after", after]);
+        }
+        let page = json_of(&db, &args);
+        let ids: Vec<i64> = page
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|row| row["event_id"].as_i64().unwrap())
+            .collect();
+        assert!(ids.len() <= PAGE);
+        let Some(last) = ids.last() else { break };
+        after = Some(last.to_string());
+        seen.extend(ids);
+        pages += 1;
+    }
+    assert_eq!((seen.len(), pages), (DEAD, DEAD / PAGE));
+    assert!(
+        seen.windows(2).all(|w| w[0] < w[1]),
+        "in event id order, no repeats"
+    );
+    // A full page in a table says where the next one starts.
+    let table = ok(&db, &["list", "--state", "dead", "--limit", "2"]);
+    assert_eq!(table.lines().count(), 4, "{table}");
+    assert_eq!(
+        table.lines().last().unwrap(),
+        format!("more: --after {}", seen[1])
+    );
+    let stderr = fails(Some(&db), &["list", "--state", "lost"], 2);
+    assert!(
+        stderr.contains("unknown state `lost`: expected one of pending, parked"),
+        "{stderr}"
+    );
+    let stderr = fails(Some(&db), &["list", "--state", "dead", "--after", "x/y"], 1);
+    assert!(
+        stderr.contains("--after `x/y`: expected an event id"),
+        "{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
     let (db, [delivered, doomed, raw]) = scenario().await;
     let (doomed_id, raw_id) = (doomed.to_string(), raw.to_string());

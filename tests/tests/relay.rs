@@ -23,6 +23,7 @@ on_both_backends!(
     exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow,
     a_permanent_error_is_a_dead_letter_at_once_with_its_reason,
     settled_means_only_dead_letters_and_what_they_hold_back_are_left,
+    every_state_is_listed_filtered_and_a_page_at_a_time,
     a_panicking_handler_is_a_transient_failure_not_a_crash,
     undecodable_payloads_become_dead_letters_and_the_relay_keeps_running,
     an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs,
@@ -332,6 +333,126 @@ async fn settled_means_only_dead_letters_and_what_they_hold_back_are_left<B: Tes
     assert_eq!(relay.run_once().await.unwrap().parked, 1);
     let status = outbox.status().await.unwrap();
     assert!(!status.is_settled(), "{status:?}");
+}
+
+async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
+    use outbox_sqlx::{ListQuery, ListState};
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c, d) = (
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+        Uuid::new_v4(),
+    );
+    // a: x fails a:1 (retry far away), a:2 waits behind it; b: y's delivery dies, then it is
+    // skipped; c: an event that never decodes, c:2 set aside behind it; d: a Pong this build
+    // does not route (parked).
+    probe.fail("x", a, 1, [Fail::Transient]);
+    probe.fail("y", b, 1, [Fail::Permanent]);
+    let config = config().with_retry(RetryPolicy::new([Duration::from_secs(3600)]).unwrap());
+    let relay = relay(&outbox, XAndY::new(&probe), config);
+    let a1 = publish_one(&outbox, a, 1).await;
+    let a2 = publish_one(&outbox, a, 2).await;
+    let b1 = publish_one(&outbox, b, 1).await;
+    let c1 = insert_raw::<B>(outbox.pool(), "Ping", c, r#"{"version": 1}"#).await;
+    let c2 = publish_one(&outbox, c, 2).await;
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: d,
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let d1 = B::events(outbox.pool()).await.last().unwrap().id;
+    let list = |query: ListQuery| {
+        let outbox = outbox.clone();
+        async move {
+            outbox
+                .list(&query)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|l| (l.event_id, l.subscriber))
+                .collect::<Vec<_>>()
+        }
+    };
+    // Before any relay: all pending.
+    assert_eq!(
+        list(ListQuery::new(ListState::Pending)).await,
+        [a1, a2, b1, c1, c2, d1].map(|id| (id, None))
+    );
+    for _ in 0..10 {
+        let report = relay.run_once().await.unwrap();
+        if report.claimed == 0 && !report.more {
+            break;
+        }
+    }
+    let x = Some("x".to_owned());
+    let y = Some("y".to_owned());
+    assert_eq!(
+        list(ListQuery::new(ListState::Retrying)).await,
+        [(a1, x.clone())]
+    );
+    assert_eq!(
+        list(ListQuery::new(ListState::Waiting)).await,
+        [(a2, x.clone())]
+    );
+    assert_eq!(list(ListQuery::new(ListState::Parked)).await, [(d1, None)]);
+    assert_eq!(list(ListQuery::new(ListState::Held)).await, [(c2, None)]);
+    assert_eq!(
+        list(ListQuery::new(ListState::Dead)).await,
+        [(b1, y.clone()), (c1, None)]
+    );
+    assert_eq!(list(ListQuery::new(ListState::Pending)).await, []);
+    // Filters.
+    assert_eq!(
+        list(ListQuery::new(ListState::Dead).subscriber("y")).await,
+        [(b1, y.clone())]
+    );
+    assert_eq!(
+        list(ListQuery::new(ListState::Dead).aggregate(c)).await,
+        [(c1, None)]
+    );
+    assert_eq!(
+        list(ListQuery::new(ListState::Parked).event_type("Ping")).await,
+        []
+    );
+    // A page at a time.
+    let first = list(ListQuery::new(ListState::Dead).limit(1)).await;
+    assert_eq!(first, [(b1, y.clone())]);
+    let next = list(
+        ListQuery::new(ListState::Dead)
+            .limit(1)
+            .after(b1, Some("y")),
+    )
+    .await;
+    assert_eq!(next, [(c1, None)]);
+    assert_eq!(
+        list(ListQuery::new(ListState::Dead).limit(1).after(c1, None)).await,
+        []
+    );
+    // Skipped, with the reason.
+    assert!(
+        outbox
+            .skip(b1, Some("y"), "refunded by hand")
+            .await
+            .unwrap()
+    );
+    let skipped = outbox
+        .list(&ListQuery::new(ListState::Skipped))
+        .await
+        .unwrap();
+    assert_eq!(skipped.len(), 1);
+    assert_eq!(
+        (
+            skipped[0].event_id,
+            skipped[0].reason.as_deref(),
+            skipped[0].aggregate_id
+        ),
+        (b1, Some("refunded by hand"), Some(b))
+    );
 }
 
 async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBackend>() {

@@ -17,7 +17,9 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use outbox_core::store::Requeue;
-use outbox_sqlx::{Backend, DeadLetter, DeadLetterGroup, Outbox, TableNames};
+use outbox_sqlx::{
+    Backend, DeadLetter, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames,
+};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::Connection;
@@ -58,6 +60,8 @@ enum Command {
     /// Dead letters: events that never decode, and deliveries that failed for good
     #[command(subcommand)]
     DeadLetters(DeadLetters),
+    /// Events or deliveries in one state, a page at a time, in event id order
+    List(ListArgs),
     /// Hand dead letters (or parked events) back to the relay
     Requeue(RequeueArgs),
     /// Give up one subscriber's delivery of an event (or a whole dead or parked event); recorded
@@ -90,6 +94,47 @@ struct RequeueArgs {
     /// Requeue every dead delivery of this subscriber
     #[arg(long)]
     subscriber: Option<String>,
+}
+
+#[derive(Args)]
+struct ListArgs {
+    /// pending, parked, held, retrying, waiting, dead or skipped
+    #[arg(long, value_parser = parse_state)]
+    state: ListState,
+    /// Only this subscriber's deliveries
+    #[arg(long)]
+    subscriber: Option<String>,
+    /// Only events of this type
+    #[arg(long)]
+    event_type: Option<String>,
+    /// Only events of this aggregate (its id)
+    #[arg(long)]
+    aggregate: Option<uuid::Uuid>,
+    /// Start after this row: `<event id>` or `<event id>/<subscriber>`, as the previous page
+    /// says
+    #[arg(long)]
+    after: Option<String>,
+    /// Rows per page
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    limit: u32,
+}
+
+fn parse_state(name: &str) -> Result<ListState, String> {
+    name.parse()
+}
+
+/// `1042` or `1042/licensing`.
+fn parse_after(after: &str) -> Result<(i64, Option<&str>), Failure> {
+    let (id, subscriber) = match after.split_once('/') {
+        Some((id, subscriber)) => (id, Some(subscriber)),
+        None => (after, None),
+    };
+    let id = id.parse().map_err(|_| {
+        Failure(format!(
+            "--after `{after}`: expected an event id, or `<event id>/<subscriber>`"
+        ))
+    })?;
+    Ok((id, subscriber))
 }
 
 #[derive(Args)]
@@ -252,6 +297,25 @@ async fn run<DB: Backend>(
                 })
                 .collect();
             Ok(dead_letters(&letters, json))
+        }
+        Command::List(args) => {
+            let mut query = ListQuery::new(args.state).limit(args.limit);
+            if let Some(subscriber) = &args.subscriber {
+                query = query.subscriber(subscriber);
+            }
+            if let Some(event_type) = &args.event_type {
+                query = query.event_type(event_type);
+            }
+            if let Some(aggregate) = args.aggregate {
+                query = query.aggregate(aggregate);
+            }
+            if let Some(after) = &args.after {
+                let (id, subscriber) = parse_after(after)?;
+                query = query.after(id, subscriber);
+            }
+            let rows = outbox.list(&query).await?;
+            let full = rows.len() == usize::try_from(args.limit).unwrap_or(usize::MAX);
+            Ok(listed(&rows, args.state, full, json))
         }
         Command::DeadLetters(DeadLetters::Groups) => Ok(dead_letter_groups(
             &outbox.dead_letter_groups().await?,
@@ -451,6 +515,73 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
         ));
     }
     Ok(out)
+}
+
+fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
+    if json {
+        let rows: Vec<Value> = rows
+            .iter()
+            .map(|r| {
+                json!({
+                    "event_id": r.event_id,
+                    "subscriber": r.subscriber,
+                    "state": r.state.as_str(),
+                    "event_type": r.event_type,
+                    "aggregate_type": r.aggregate_type,
+                    "aggregate_id": r.aggregate_id,
+                    "attempts": r.attempts,
+                    "last_error": r.last_error,
+                    "reason": r.reason,
+                })
+            })
+            .collect();
+        return format!("{}\n", Value::from(rows));
+    }
+    if rows.is_empty() {
+        return format!("nothing {}\n", state.as_str());
+    }
+    let mut out = table(
+        &[
+            "EVENT",
+            "SUBSCRIBER",
+            "EVENT TYPE",
+            "AGGREGATE",
+            "ATTEMPTS",
+            "LAST ERROR",
+        ],
+        &rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.event_id.to_string(),
+                    r.subscriber.clone().unwrap_or_else(|| "(all)".to_owned()),
+                    r.event_type.clone(),
+                    format!(
+                        "{} {}",
+                        r.aggregate_type,
+                        r.aggregate_id
+                            .map_or_else(|| "-".to_owned(), |id| id.to_string())
+                    ),
+                    r.attempts.to_string(),
+                    shorten(
+                        r.reason
+                            .as_deref()
+                            .or(r.last_error.as_deref())
+                            .unwrap_or("-"),
+                        60,
+                    ),
+                ]
+            })
+            .collect::<Vec<_>>(),
+    );
+    if let (true, Some(last)) = (full, rows.last()) {
+        let after = match &last.subscriber {
+            Some(subscriber) => format!("{}/{subscriber}", last.event_id),
+            None => last.event_id.to_string(),
+        };
+        out.push_str(&format!("more: --after {after}\n"));
+    }
+    out
 }
 
 fn dead_letter_groups(groups: &[DeadLetterGroup], json: bool) -> String {
