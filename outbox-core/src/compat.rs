@@ -155,14 +155,29 @@ impl Snapshot {
 
 /// Compares `catalog` with the snapshot `snapshot` (as [`bless`] writes it).
 pub fn compare(catalog: &Catalog, snapshot: &Value) -> Result<CatalogReport, String> {
-    let snapshot = Snapshot::parse(snapshot)?;
-    let mut report = CatalogReport::default();
-    compare_events(catalog, &snapshot, &mut report);
-    compare_subscribers(catalog, &snapshot, &mut report);
-    Ok(report)
+    compare_noting_shapes(catalog, snapshot).map(|(report, _)| report)
 }
 
-fn compare_events(catalog: &Catalog, snapshot: &Snapshot, report: &mut CatalogReport) {
+/// [`compare`], and which of the breaking problems are changes of a current version's shape
+/// (by index): the ones blessing may accept.
+fn compare_noting_shapes(
+    catalog: &Catalog,
+    snapshot: &Value,
+) -> Result<(CatalogReport, Vec<usize>), String> {
+    let snapshot = Snapshot::parse(snapshot)?;
+    let mut report = CatalogReport::default();
+    let mut shape_changes = Vec::new();
+    compare_events(catalog, &snapshot, &mut report, &mut shape_changes);
+    compare_subscribers(catalog, &snapshot, &mut report);
+    Ok((report, shape_changes))
+}
+
+fn compare_events(
+    catalog: &Catalog,
+    snapshot: &Snapshot,
+    report: &mut CatalogReport,
+    shape_changes: &mut Vec<usize>,
+) {
     for (name, entry) in &snapshot.events {
         let stored_names = std::iter::once(name).chain(&entry.formerly);
         for stored in stored_names {
@@ -203,18 +218,21 @@ fn compare_events(catalog: &Catalog, snapshot: &Snapshot, report: &mut CatalogRe
                  OUTBOX_BLESS=1 and commit the snapshot",
                 event.event_type, event.version
             )),
-            Some((old, _)) if shape(old) != shape(&schema) => report.breaking.push(format!(
-                "the shape of `{t}` version {v} changed without a version bump ({diff}): \
+            Some((old, _)) if shape(old) != shape(&schema) => {
+                shape_changes.push(report.breaking.len());
+                report.breaking.push(format!(
+                    "the shape of `{t}` version {v} changed without a version bump ({diff}): \
                  events stored at version {v} may no longer decode. Bump it to \
                  `#[outbox(version = {next})]` and add `#[outbox(upcast(from = {v}, with = \
                  ...))]`, a function that turns version {v} data into version {next} data; if \
                  every stored payload still decodes as it is (a new optional field, say), \
                  record the new shape with OUTBOX_BLESS=1",
-                t = event.event_type,
-                v = event.version,
-                next = event.version + 1,
-                diff = shape_diff(old, &schema),
-            )),
+                    t = event.event_type,
+                    v = event.version,
+                    next = event.version + 1,
+                    diff = shape_diff(old, &schema),
+                ));
+            }
             Some(_) => {}
         }
         if let Some(newest) = recorded.and_then(|entry| entry.versions.keys().next_back())
@@ -408,11 +426,13 @@ fn quoted(names: &[&String]) -> String {
 pub fn bless(catalog: &Catalog, previous: Option<&Value>) -> Result<Value, String> {
     let snapshot = match previous {
         Some(previous) => {
-            let report = compare(catalog, previous)?;
+            let (report, shape_changes) = compare_noting_shapes(catalog, previous)?;
             let refused: Vec<&String> = report
                 .breaking
                 .iter()
-                .filter(|problem| !problem.starts_with("the shape of "))
+                .enumerate()
+                .filter(|(index, _)| !shape_changes.contains(index))
+                .map(|(_, problem)| problem)
                 .collect();
             if !refused.is_empty() {
                 return Err(format!(

@@ -676,6 +676,11 @@ impl ListState {
         Self::Skipped,
     ];
 
+    /// Its place in [`ALL`](Self::ALL), which lists the states in declaration order.
+    pub(crate) fn index(self) -> usize {
+        self as usize
+    }
+
     /// Its name, as the CLI writes it.
     pub fn as_str(self) -> &'static str {
         match self {

@@ -1256,11 +1256,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         query: &crate::ListQuery,
     ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-        let index = crate::ListState::ALL
-            .iter()
-            .position(|state| *state == query.state)
-            .unwrap_or(0);
-        sqlx::query(queries.list[index].clone())
+        sqlx::query(queries.list[query.state.index()].clone())
             .bind(&query.subscriber)
             .bind(&query.event_type)
             .bind(query.aggregate_id)

@@ -1047,11 +1047,7 @@ LIMIT $4"#
         queries: &SqliteQueries,
         query: &crate::ListQuery,
     ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-        let index = crate::ListState::ALL
-            .iter()
-            .position(|state| *state == query.state)
-            .unwrap_or(0);
-        sqlx::query(queries.list[index].clone())
+        sqlx::query(queries.list[query.state.index()].clone())
             .bind(&query.subscriber)
             .bind(&query.event_type)
             .bind(query.aggregate_id)

@@ -23,7 +23,7 @@ use crate::store::{
 /// A relay's routes for planning one batch: its own, and what the other builds registered.
 struct Planning<'a, S, R> {
     relay: &'a Relay<S, R>,
-    others: Others,
+    others: std::sync::Arc<Others>,
 }
 
 impl<S: Store, R: Router> Routes for Planning<'_, S, R> {

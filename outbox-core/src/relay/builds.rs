@@ -18,7 +18,7 @@
 //! claimed after another build registered is fanned out to that build's subscribers too.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use serde_json::{Value, json};
@@ -85,7 +85,8 @@ pub(super) struct Builds {
 #[derive(Default)]
 struct State {
     registered: Option<Instant>,
-    others: Others,
+    /// Shared with the claims and batches that use it: read once per registry change.
+    others: Arc<Others>,
 }
 
 impl Builds {
@@ -104,7 +105,7 @@ impl Builds {
     }
 
     /// The current view of the others.
-    pub(super) fn others(&self) -> Others {
+    pub(super) fn others(&self) -> Arc<Others> {
         self.state
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -149,7 +150,7 @@ impl Builds {
             );
         }
         state.registered = Some(Instant::now());
-        state.others = others;
+        state.others = Arc::new(others);
         Ok(())
     }
 

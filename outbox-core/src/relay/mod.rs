@@ -442,10 +442,10 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// that the batch is fanned out to the subscribers of every build registered before it.
     async fn claim(&self) -> Result<Batch, StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
-        let filter = self.builds.others().filter().clone();
+        let others = self.builds.others();
         let batch = self
             .store
-            .claim(self.config.batch_size, self.config.lease, &filter)
+            .claim(self.config.batch_size, self.config.lease, others.filter())
             .await?;
         if self.builds.is_stale(batch.registry.as_ref()) {
             self.builds.renew(&self.store, &self.router).await?;
