@@ -540,7 +540,9 @@ pub(crate) fn check_file(catalog: &Catalog, path: &Path, bless_it: bool) -> Resu
              and commit it"
         ));
     };
-    let report = compare(catalog, &previous)?;
+    let report = compare(catalog, &previous).map_err(|error| {
+        format!("the catalog snapshot {shown} cannot be read: {error}; record it again with OUTBOX_BLESS=1")
+    })?;
     if report.is_clean() {
         Ok(())
     } else {

@@ -13,6 +13,7 @@ macro_rules! revision {
         mod $name {
             #![allow(dead_code)]
             use outbox_core::{Delivery, Handle, HandlerError, OutboxEvent, router, subscriber};
+            #[allow(unused_imports)]
             use schemars::JsonSchema;
             use serde::{Deserialize, Serialize};
             use serde_json::Value;
@@ -377,6 +378,110 @@ fn check_catalog_reads_the_committed_file_and_panics_with_what_to_do() {
     assert!(
         message.starts_with("the catalog of router `App` does not match its snapshot")
             && message.contains("- the shape of `PlanChanged` version 1 changed"),
+        "{message}"
+    );
+}
+
+// The event no longer derives `JsonSchema`.
+revision!(
+    schema_dropped,
+    events = [PlanChanged],
+    subscriber = "billing",
+    {
+        #[derive(Serialize, Deserialize, OutboxEvent)]
+        #[outbox(aggregate_type = "plan")]
+        pub(crate) struct PlanChanged {
+            #[outbox(aggregate_id)]
+            pub(crate) plan_id: Uuid,
+            pub(crate) tier: String,
+        }
+    }
+);
+
+// A field whose type refuses the sample its schema gives (an empty string).
+revision!(
+    picky_field,
+    events = [PlanChanged],
+    subscriber = "billing",
+    {
+        #[derive(Serialize, Deserialize, JsonSchema, OutboxEvent)]
+        #[outbox(aggregate_type = "plan")]
+        pub(crate) struct PlanChanged {
+            #[outbox(aggregate_id)]
+            pub(crate) plan_id: Uuid,
+            pub(crate) tier: Tier,
+        }
+
+        #[derive(Serialize, Deserialize, JsonSchema)]
+        #[serde(try_from = "String")]
+        pub(crate) struct Tier(String);
+
+        impl TryFrom<String> for Tier {
+            type Error = &'static str;
+
+            fn try_from(tier: String) -> Result<Self, Self::Error> {
+                if tier.is_empty() {
+                    Err("a tier has a name")
+                } else {
+                    Ok(Self(tier))
+                }
+            }
+        }
+    }
+);
+
+#[test]
+fn an_event_without_a_schema_a_version_gone_back_and_an_unsampleable_shape_are_reported() {
+    let problems = breaking(&schema_dropped::App::catalog(), &first_snapshot());
+    assert!(
+        problems.contains(
+            &"event `PlanChanged` does not derive `schemars::JsonSchema`: its shape cannot be \
+              pinned; derive it beside `OutboxEvent`"
+                .to_owned()
+        ),
+        "{problems:#?}"
+    );
+    let refused = bless_catalog(&schema_dropped::App::catalog(), None).unwrap_err();
+    assert!(
+        refused.contains("does not derive `schemars::JsonSchema`"),
+        "{refused}"
+    );
+
+    let blessed = bless_catalog(&bumped::App::catalog(), Some(&first_snapshot())).unwrap();
+    let problems = breaking(&first::App::catalog(), &blessed);
+    assert!(
+        problems.contains(
+            &"`PlanChanged` is at version 1, but version 2 was recorded: stored events of \
+              version 2 would be parked for ever; versions only go up"
+                .to_owned()
+        ),
+        "{problems:#?}"
+    );
+
+    let refused = bless_catalog(&picky_field::App::catalog(), None).unwrap_err();
+    assert!(
+        refused.starts_with("could not make a sample of `PlanChanged` version 1 from its schema (")
+            && refused.contains("a tier has a name")
+            && refused.ends_with(
+                "write one by hand in the snapshot, as `events.PlanChanged.versions.1.sample`"
+            ),
+        "{refused}"
+    );
+}
+
+#[test]
+fn a_snapshot_that_is_not_one_is_a_clear_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("catalog.json");
+    std::fs::write(&path, "{").unwrap();
+    let failed = std::panic::catch_unwind(|| check_catalog::<first::App>(&path)).unwrap_err();
+    let message = failed.downcast_ref::<String>().unwrap();
+    assert!(message.contains("catalog.json is not JSON: "), "{message}");
+    std::fs::write(&path, "{}").unwrap();
+    let failed = std::panic::catch_unwind(|| check_catalog::<first::App>(&path)).unwrap_err();
+    let message = failed.downcast_ref::<String>().unwrap();
+    assert!(
+        message.contains("catalog.json cannot be read: the snapshot has no `events` object; record it again with OUTBOX_BLESS=1"),
         "{message}"
     );
 }
