@@ -129,16 +129,23 @@ async fn a_transactional_subscriber_commits_its_effect_and_its_delivery_together
         handler(move |ping, delivery| {
             let (outbox, injected, counts) = (outbox.clone(), injected.clone(), counts.clone());
             let ping = ping.clone();
-            // Each fault strikes the first delivery of its seq, on every aggregate.
-            let fault = faults
-                .get(&ping.seq)
-                .copied()
-                .filter(|_| injected.lock().unwrap().insert((ping.aggregate, ping.seq)));
+            // Each fault strikes the first delivery of its seq that reaches the point where it
+            // acts, on every aggregate: a delivery that fails before (its claim lost to another
+            // aggregate's fault, say) leaves it for the next one.
+            let planned = faults.get(&ping.seq).copied();
+            let strikes = {
+                let injected = injected.clone();
+                move |fault: Fault| {
+                    planned == Some(fault)
+                        && injected.lock().unwrap().insert((ping.aggregate, ping.seq))
+                }
+            };
             Box::pin(async move {
                 counts.calls.fetch_add(1, Ordering::SeqCst);
-                if fault == Some(Fault::ClaimLost) {
+                if strikes(Fault::ClaimLost) {
                     B::expire_claims(outbox.pool()).await;
                 }
+                let strikes = &strikes;
                 outbox
                     .handle_once(delivery, |mut tx| async move {
                         counts.runs.fetch_add(1, Ordering::SeqCst);
@@ -148,20 +155,20 @@ async fn a_transactional_subscriber_commits_its_effect_and_its_delivery_together
                             seq: ping.seq,
                         })
                         .await?;
-                        match fault {
-                            Some(Fault::ErrorAfterSql) => {
-                                Err(HandlerError::transient("injected after the SQL"))
-                            }
-                            Some(Fault::PanicAfterSql) => panic!("injected after the SQL"),
-                            Some(Fault::KillAfterSql) => {
-                                B::kill_own_connection(&mut tx).await?;
-                                unreachable!("the killed session answered");
-                            }
-                            _ => Ok(tx),
+                        if strikes(Fault::ErrorAfterSql) {
+                            return Err(HandlerError::transient("injected after the SQL"));
                         }
+                        if strikes(Fault::PanicAfterSql) {
+                            panic!("injected after the SQL");
+                        }
+                        if strikes(Fault::KillAfterSql) {
+                            B::kill_own_connection(&mut tx).await?;
+                            unreachable!("the killed session answered");
+                        }
+                        Ok(tx)
                     })
                     .await?;
-                if fault == Some(Fault::TimeoutAfterCommit) {
+                if strikes(Fault::TimeoutAfterCommit) {
                     tokio::time::sleep(Duration::from_secs(3600)).await;
                 }
                 Ok(())
