@@ -153,6 +153,13 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         query: &crate::ListQuery,
     ) -> impl Future<Output = Result<Vec<crate::Listed>, sqlx::Error>> + Send;
 
+    /// The count of each state and what holds work back.
+    #[doc(hidden)]
+    fn overview(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<crate::Overview, sqlx::Error>> + Send;
+
     /// The dead letters grouped by (subscriber, first line of the last error).
     #[doc(hidden)]
     fn dead_letter_groups(
@@ -255,151 +262,6 @@ pub struct SubscriberStatus {
     pub dead: u64,
     /// Aggregates whose later events wait for this subscriber.
     pub blocked_keys: u64,
-}
-
-/// The SQL of one page of the rows in `state`, filtered and after a (event id, subscriber)
-/// key, in that order: the state's rows as `x`, then the filters. Parameters: $1 subscriber,
-/// $2 event type, $3 aggregate id (each NULL for any), $4 and $5 the key to start after, $6 the
-/// page size; `param(n, type)` writes parameter `n` in the dialect (with a cast where needed).
-pub(crate) fn list_query(
-    outbox: &str,
-    deliveries: &str,
-    skips: &str,
-    state: crate::ListState,
-    param: impl Fn(u8, &str) -> String,
-) -> String {
-    use crate::ListState as S;
-    let event = |condition: &str| {
-        format!(
-            "SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type,
-                    o.aggregate_id, o.retry_count AS attempts, o.last_error, NULL AS reason
-             FROM {outbox} AS o WHERE o.published_at IS NULL AND {condition}"
-        )
-    };
-    let delivery = |condition: &str| {
-        format!(
-            "SELECT d.event_id, d.subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
-                    d.attempts, d.last_error, NULL AS reason
-             FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id WHERE {condition}"
-        )
-    };
-    let rows = match state {
-        S::Pending => event(
-            "o.dead_at IS NULL AND o.next_retry_at IS NULL AND o.held_by IS NULL
-             AND o.held_behind IS NULL",
-        ),
-        S::Parked => event("o.dead_at IS NULL AND o.next_retry_at IS NOT NULL"),
-        S::Held => {
-            event("o.dead_at IS NULL AND (o.held_by IS NOT NULL OR o.held_behind IS NOT NULL)")
-        }
-        S::Retrying => delivery("d.dead_at IS NULL AND d.attempts > 0"),
-        S::Waiting => delivery("d.dead_at IS NULL AND d.attempts = 0"),
-        S::Dead => format!(
-            "{} UNION ALL {}",
-            event("o.dead_at IS NOT NULL"),
-            delivery("d.dead_at IS NOT NULL")
-        ),
-        S::Skipped => format!(
-            "SELECT k.event_id, k.subscriber, coalesce(o.event_type, '') AS event_type,
-                    coalesce(o.aggregate_type, '') AS aggregate_type, o.aggregate_id,
-                    k.attempts, k.last_error, k.reason
-             FROM {skips} AS k LEFT JOIN {outbox} AS o ON o.id = k.event_id"
-        ),
-    };
-    let (subscriber, event_type, aggregate) =
-        (param(1, "text"), param(2, "text"), param(3, "uuid"));
-    let (after_id, after_subscriber, limit) =
-        (param(4, "int8"), param(5, "text"), param(6, "int8"));
-    format!(
-        "SELECT * FROM ({rows}) AS x
-         WHERE ({subscriber} IS NULL OR x.subscriber = {subscriber})
-           AND ({event_type} IS NULL OR x.event_type = {event_type})
-           AND ({aggregate} IS NULL OR x.aggregate_id = {aggregate})
-           AND (x.event_id, coalesce(x.subscriber, '')) > ({after_id}, {after_subscriber})
-         ORDER BY x.event_id, coalesce(x.subscriber, '')
-         LIMIT {limit}"
-    )
-}
-
-/// One row of [`list_query`].
-pub(crate) fn listed<R: sqlx::Row>(
-    row: &R,
-    state: crate::ListState,
-) -> Result<crate::Listed, sqlx::Error>
-where
-    for<'r> &'r str: sqlx::ColumnIndex<R>,
-    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i32: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> Option<Uuid>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let attempts = row
-        .try_get::<i64, _>("attempts")
-        .or_else(|_| row.try_get::<i32, _>("attempts").map(i64::from))?;
-    Ok(crate::Listed {
-        event_id: row.try_get("event_id")?,
-        subscriber: row.try_get("subscriber")?,
-        state,
-        event_type: row.try_get("event_type")?,
-        aggregate_type: row.try_get("aggregate_type")?,
-        aggregate_id: row.try_get("aggregate_id")?,
-        attempts: u32::try_from(attempts).unwrap_or(0),
-        last_error: row.try_get("last_error")?,
-        reason: row.try_get("reason")?,
-    })
-}
-
-/// Dead letters grouped by subscriber and the first line of their last error, largest groups
-/// first; `first_line` is the dialect's expression for the first line of a text column.
-pub(crate) fn dead_letter_groups_query(
-    outbox: &str,
-    deliveries: &str,
-    first_line: impl Fn(&str) -> String,
-) -> String {
-    let line = first_line("x.last_error");
-    format!(
-        r#"
-SELECT x.subscriber, {line} AS first_line, count(*) AS dead,
-       min(x.event_id) AS first_event_id, max(x.event_id) AS last_event_id
-FROM (
-    SELECT NULL AS subscriber, o.last_error, o.id AS event_id FROM {outbox} AS o
-    WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
-    UNION ALL
-    SELECT d.subscriber, d.last_error, d.event_id FROM {deliveries} AS d
-    WHERE d.dead_at IS NOT NULL
-) AS x
-GROUP BY x.subscriber, {line}
-ORDER BY dead DESC, first_event_id"#
-    )
-}
-
-/// One group of [`dead_letter_groups_query`]'s rows.
-pub(crate) fn dead_letter_group<R: sqlx::Row>(
-    row: &R,
-) -> Result<crate::DeadLetterGroup, sqlx::Error>
-where
-    for<'r> &'r str: sqlx::ColumnIndex<R>,
-    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
-{
-    let subscriber: Option<String> = row.try_get("subscriber")?;
-    let first_line: String = row.try_get("first_line")?;
-    let kind = match (&subscriber, first_line.as_str()) {
-        (None, _) => "undecodable",
-        (Some(_), line) if line.starts_with("permanent error") => "permanent",
-        (Some(_), line) if line.starts_with("transient error") => "retries exhausted",
-        _ => "other",
-    };
-    Ok(crate::DeadLetterGroup {
-        subscriber,
-        kind,
-        first_line,
-        dead: u64::try_from(row.try_get::<i64, _>("dead")?).unwrap_or(0),
-        first_event_id: row.try_get("first_event_id")?,
-        last_event_id: row.try_get("last_event_id")?,
-    })
 }
 
 /// Per-subscriber counts; the same SQL on every backend.

@@ -74,6 +74,7 @@ mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 mod tx;
+mod views;
 mod wake;
 
 pub use backend::{Backend, SubscriberStatus};
@@ -82,7 +83,10 @@ pub use backend::{PurgeStep, PurgedUpTo};
 pub use error::Error;
 pub use inbox::Received;
 pub use names::TableNames;
-pub use outbox::{DeadLetter, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, SqlStore};
+pub use outbox::{Outbox, SqlStore};
+pub use views::{
+    DeadLetter, DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview,
+};
 pub use outbox_core as core;
 pub use outbox_core::store::{Requeue, Status};
 pub use tx::{

@@ -9,6 +9,7 @@ use crate::error::Error;
 use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
+use crate::views::{DeadLetter, DeadLetterGroup, ListQuery, Listed, Overview};
 use crate::wake::Wakeups;
 use outbox_core::store::{
     Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
@@ -214,6 +215,13 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// order: paginated in SQL, so listing 100 000 dead letters holds one page at a time.
     pub async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, Error> {
         Ok(DB::list(self.pool(), self.queries(), query).await?)
+    }
+
+    /// How many events and deliveries are in each [`ListState`], and what holds work back,
+    /// by cause ([`HoldCause`](crate::HoldCause)): a parked event blocking its aggregate, a
+    /// dead delivery blocking its key, and what waits behind each.
+    pub async fn overview(&self) -> Result<Overview, Error> {
+        Ok(DB::overview(self.pool(), self.queries()).await?)
     }
 
     /// The dead letters grouped by failure (subscriber and first line of the last error),
@@ -619,209 +627,6 @@ fn check_purge_batch_size(batch_size: u32) -> Result<(), ConfigError> {
         });
     }
     Ok(())
-}
-
-/// A dead letter: it waits for an operator to fix its cause and [requeue](Outbox::requeue) it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetter {
-    /// The event.
-    pub event_id: i64,
-    /// The subscriber whose delivery failed for good; `None` when the event itself cannot be
-    /// decoded, for every subscriber.
-    pub subscriber: Option<String>,
-    /// The event type.
-    pub event_type: String,
-    /// The aggregate type.
-    pub aggregate_type: String,
-    /// The aggregate.
-    pub aggregate_id: Uuid,
-    /// Failed attempts (for an event: times parked before it died).
-    pub attempts: u32,
-    /// Why.
-    pub last_error: Option<String>,
-}
-
-/// A state an event or a delivery can be in, for [`Outbox::list`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ListState {
-    /// Events not yet handed to their subscribers, free to be claimed.
-    Pending,
-    /// Events this build could not read (unknown type, newer version), waiting for a build
-    /// that can; they hold their aggregate back.
-    Parked,
-    /// Events set aside behind an earlier event of their aggregate (dead, parked, or in a
-    /// claim that lasted).
-    Held,
-    /// Deliveries that failed and wait for their next attempt.
-    Retrying,
-    /// Deliveries that wait behind an earlier delivery of their (subscriber, aggregate) key,
-    /// or for another build's relay.
-    Waiting,
-    /// Dead events and dead deliveries: they wait for an operator.
-    Dead,
-    /// What an operator gave up on (`Outbox::skip`), with the reason.
-    Skipped,
-}
-
-impl ListState {
-    /// Every state, in the order a lifecycle goes through them.
-    pub const ALL: [ListState; 7] = [
-        Self::Pending,
-        Self::Parked,
-        Self::Held,
-        Self::Retrying,
-        Self::Waiting,
-        Self::Dead,
-        Self::Skipped,
-    ];
-
-    /// Its place in [`ALL`](Self::ALL), which lists the states in declaration order.
-    pub(crate) fn index(self) -> usize {
-        self as usize
-    }
-
-    /// Its name, as the CLI writes it.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Pending => "pending",
-            Self::Parked => "parked",
-            Self::Held => "held",
-            Self::Retrying => "retrying",
-            Self::Waiting => "waiting",
-            Self::Dead => "dead",
-            Self::Skipped => "skipped",
-        }
-    }
-}
-
-impl std::str::FromStr for ListState {
-    type Err = String;
-
-    fn from_str(name: &str) -> Result<Self, String> {
-        Self::ALL
-            .into_iter()
-            .find(|state| state.as_str() == name)
-            .ok_or_else(|| {
-                let names: Vec<&str> = Self::ALL.iter().map(|s| s.as_str()).collect();
-                format!(
-                    "unknown state `{name}`: expected one of {}",
-                    names.join(", ")
-                )
-            })
-    }
-}
-
-/// Which page of which rows [`Outbox::list`] reads: rows of one state, filtered, in (event id,
-/// subscriber) order, after a key (the last row of the previous page), at most `limit`.
-///
-/// ```
-/// use outbox_sqlx::{ListQuery, ListState};
-///
-/// let first = ListQuery::new(ListState::Dead).subscriber("licensing").limit(100);
-/// // ... then, after a page whose last row was event 1042 of `licensing`:
-/// let next = first.clone().after(1042, Some("licensing"));
-/// # let _ = next;
-/// ```
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ListQuery {
-    pub(crate) state: ListState,
-    pub(crate) subscriber: Option<String>,
-    pub(crate) event_type: Option<String>,
-    pub(crate) aggregate_id: Option<Uuid>,
-    pub(crate) after: (i64, String),
-    pub(crate) limit: u32,
-}
-
-impl ListQuery {
-    /// The first 100 rows in `state`.
-    pub fn new(state: ListState) -> Self {
-        Self {
-            state,
-            subscriber: None,
-            event_type: None,
-            aggregate_id: None,
-            after: (i64::MIN, String::new()),
-            limit: 100,
-        }
-    }
-
-    /// Only the deliveries of `subscriber` (and skips of it).
-    #[must_use]
-    pub fn subscriber(mut self, subscriber: impl Into<String>) -> Self {
-        self.subscriber = Some(subscriber.into());
-        self
-    }
-
-    /// Only events of `event_type`.
-    #[must_use]
-    pub fn event_type(mut self, event_type: impl Into<String>) -> Self {
-        self.event_type = Some(event_type.into());
-        self
-    }
-
-    /// Only events of the aggregate `aggregate_id`.
-    #[must_use]
-    pub fn aggregate(mut self, aggregate_id: Uuid) -> Self {
-        self.aggregate_id = Some(aggregate_id);
-        self
-    }
-
-    /// The rows after (event `event_id`, `subscriber`): the last row of the previous page.
-    #[must_use]
-    pub fn after(mut self, event_id: i64, subscriber: Option<&str>) -> Self {
-        self.after = (event_id, subscriber.unwrap_or_default().to_owned());
-        self
-    }
-
-    /// At most `limit` rows (at least 1).
-    #[must_use]
-    pub fn limit(mut self, limit: u32) -> Self {
-        self.limit = limit.max(1);
-        self
-    }
-}
-
-/// One row of [`Outbox::list`]: an event, or one subscriber's delivery of it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Listed {
-    /// The event.
-    pub event_id: i64,
-    /// The subscriber, for a delivery (or the skip of one); `None` for the event itself.
-    pub subscriber: Option<String>,
-    /// The state it was listed in.
-    pub state: ListState,
-    /// The event type (empty for a skipped event retention has deleted since).
-    pub event_type: String,
-    /// The aggregate type (likewise).
-    pub aggregate_type: String,
-    /// The aggregate (`None` for a skipped event retention has deleted since).
-    pub aggregate_id: Option<Uuid>,
-    /// Failed attempts (for an event: times parked).
-    pub attempts: u32,
-    /// The last error.
-    pub last_error: Option<String>,
-    /// Why an operator skipped it (state `skipped` only).
-    pub reason: Option<String>,
-}
-
-/// Dead letters that failed alike: one subscriber, one first line of the last error. One bad
-/// deploy is one group, not ten thousand rows.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct DeadLetterGroup {
-    /// The subscriber; `None` for events that cannot be decoded at all.
-    pub subscriber: Option<String>,
-    /// What kind of failure: `permanent` (a handler said so), `retries exhausted` (transient
-    /// failures until the retry schedule ran out), `undecodable` (the event itself), `other`.
-    pub kind: &'static str,
-    /// The first line of the last error.
-    pub first_line: String,
-    /// How many dead letters.
-    pub dead: u64,
-    /// The first and last event ids of the group.
-    pub first_event_id: i64,
-    /// See `first_event_id`.
-    pub last_event_id: i64,
 }
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

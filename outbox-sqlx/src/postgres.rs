@@ -17,10 +17,11 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, dead_letter_group, dead_letter_groups_query, list_query, listed, registry_of,
+    apply_migrations, registry_of,
     row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
+use crate::views::{Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview, overview_query};
 use crate::names::TableNames;
 
 impl sealed::Sealed for Postgres {}
@@ -116,7 +117,8 @@ pub struct PgQueries {
     dead_letters: SqlStr,
     dead_letter_groups: SqlStr,
     /// One page of each state, in the order of `ListState::ALL`.
-    list: [SqlStr; 7],
+    list: [SqlStr; 8],
+    overview: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
 }
@@ -168,6 +170,14 @@ impl Backend for Postgres {
         let skips = names.qualified("_skips");
         let inbox = names.qualified("_inbox");
         let relays = names.qualified("_relays");
+        let dialect = Dialect {
+            outbox: &outbox,
+            deliveries: &deliveries,
+            skips: &skips,
+            claimed_event: format!("o.id IN (SELECT unnest(c.event_ids) FROM {claims} AS c)"),
+            payload: "coalesce(o.payload_text, o.payload::text)",
+            param: |n, ty| format!("${n}::{ty}"),
+        };
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
         // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
         // own namespace (publishers lock aggregates under the table's namespace itself).
@@ -787,11 +797,8 @@ SELECT (SELECT count(*) FROM deleted),
        (SELECT (extract(epoch FROM l.published_at) * 1000000)::int8 FROM last AS l),
        (SELECT l.id FROM last AS l)"#
             )),
-            list: crate::ListState::ALL.map(|state| {
-                sql(list_query(&outbox, &deliveries, &skips, state, |n, ty| {
-                    format!("${n}::{ty}")
-                }))
-            }),
+            list: crate::ListState::ALL.map(|state| sql(list_query(&dialect, state))),
+            overview: sql(overview_query(&dialect)),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("split_part(coalesce({c}, ''), E'\\n', 1)", c = c)
             })),
@@ -1268,6 +1275,10 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
             .iter()
             .map(|row| listed(row, query.state))
             .collect()
+    }
+
+    async fn overview(pool: &PgPool, queries: &PgQueries) -> Result<crate::Overview, sqlx::Error> {
+        overview(&sqlx::query(queries.overview.clone()).fetch_one(pool).await?)
     }
 
     async fn dead_letter_groups(

@@ -22,10 +22,11 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, dead_letter_group, dead_letter_groups_query, list_query, listed, row_count,
+    apply_migrations, row_count,
     sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
+use crate::views::{Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview, overview_query};
 use crate::names::TableNames;
 
 impl sealed::Sealed for Sqlite {}
@@ -125,7 +126,8 @@ pub struct SqliteQueries {
     dead_letters: SqlStr,
     dead_letter_groups: SqlStr,
     /// One page of each state, in the order of `ListState::ALL`.
-    list: [SqlStr; 7],
+    list: [SqlStr; 8],
+    overview: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
@@ -160,6 +162,14 @@ impl Backend for Sqlite {
         let skips = names.local("_skips");
         let inbox = names.local("_inbox");
         let relays = names.local("_relays");
+        let dialect = Dialect {
+            outbox: &outbox,
+            deliveries: &deliveries,
+            skips: &skips,
+            claimed_event: "o.claim_id IS NOT NULL".to_owned(),
+            payload: "o.payload",
+            param: |n, _| format!("${n}"),
+        };
         // Stalled: the event holds its aggregate's later events back for every subscriber.
         let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
         SqliteQueries {
@@ -413,9 +423,8 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                  SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
                  WHERE subscriber = $1 AND dead_at IS NOT NULL"
             )),
-            list: crate::ListState::ALL.map(|state| {
-                sql(list_query(&outbox, &deliveries, &skips, state, |n, _| format!("${n}")))
-            }),
+            list: crate::ListState::ALL.map(|state| sql(list_query(&dialect, state))),
+            overview: sql(overview_query(&dialect)),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)", c = c)
             })),
@@ -1059,6 +1068,10 @@ LIMIT $4"#
             .iter()
             .map(|row| listed(row, query.state))
             .collect()
+    }
+
+    async fn overview(pool: &SqlitePool, queries: &SqliteQueries) -> Result<crate::Overview, sqlx::Error> {
+        overview(&sqlx::query(queries.overview.clone()).fetch_one(pool).await?)
     }
 
     async fn dead_letter_groups(

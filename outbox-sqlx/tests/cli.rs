@@ -127,7 +127,33 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
         status["subscribers"],
         json!([{"subscriber": "y", "pending": 0, "dead": 1, "blocked_keys": 1}])
     );
+    // Every state counted, and what holds what back: the parked Pong blocks its aggregate,
+    // the dead event its own, y's dead delivery its key.
+    assert_eq!(
+        status["states"],
+        json!({"pending": 0, "claimed": 0, "parked": 1, "held": 0, "retrying": 0,
+               "waiting": 0, "dead": 2, "skipped": 0}),
+        "{status}"
+    );
+    assert_eq!(
+        status["held_back"],
+        json!([
+            {"cause": "dead event", "blocks": "aggregates", "blocked": 1, "waiting": 0},
+            {"cause": "parked event", "blocks": "aggregates", "blocked": 1, "waiting": 0},
+            {"cause": "dead delivery", "blocks": "keys", "blocked": 1, "waiting": 0},
+        ]),
+        "{status}"
+    );
     let table = ok(&db, &["status"]);
+    assert!(table.contains("parked    1\n"), "{table}");
+    assert!(
+        table.contains("HELD BACK BY   BLOCKS       WAITING BEHIND\n"),
+        "{table}"
+    );
+    assert!(
+        table.contains("parked event   1 aggregate  0\n"),
+        "{table}"
+    );
     assert!(table.contains("dead letters         2\n"), "{table}");
     assert!(table.contains("blocked aggregates   2\n"), "{table}");
     assert!(
@@ -288,7 +314,7 @@ async fn a_hundred_thousand_dead_letters_are_listed_a_page_at_a_time() {
     );
     let stderr = fails(Some(&db), &["list", "--state", "lost"], 2);
     assert!(
-        stderr.contains("unknown state `lost`: expected one of pending, parked"),
+        stderr.contains("unknown state `lost`: expected one of pending, claimed, parked"),
         "{stderr}"
     );
     let stderr = fails(Some(&db), &["list", "--state", "dead", "--after", "x/y"], 1);

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::store::Requeue;
-use outbox_core::{Relay, RelayConfig, RetryPolicy, Router};
+use outbox_core::{Relay, RelayConfig, RetryPolicy, Router, Store};
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
@@ -336,7 +336,7 @@ async fn settled_means_only_dead_letters_and_what_they_hold_back_are_left<B: Tes
 }
 
 async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
-    use outbox_sqlx::{ListQuery, ListState};
+    use outbox_sqlx::{HoldCause, ListQuery, ListState};
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
     let (a, b, c, d) = (
@@ -383,6 +383,42 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
         list(ListQuery::new(ListState::Pending)).await,
         [a1, a2, b1, c1, c2, d1].map(|id| (id, None))
     );
+    // A claim (a relay working on a batch, or one that died holding it) shows as claimed,
+    // and only as claimed, until it is given back.
+    let batch = outbox
+        .store()
+        .claim(1, Duration::from_secs(60), &Default::default())
+        .await
+        .unwrap();
+    assert_eq!(list(ListQuery::new(ListState::Claimed)).await, [(a1, None)]);
+    assert_eq!(
+        list(ListQuery::new(ListState::Pending)).await,
+        [a2, b1, c1, c2, d1].map(|id| (id, None))
+    );
+    let overview = outbox.overview().await.unwrap();
+    assert_eq!(
+        (
+            overview.count(ListState::Claimed),
+            overview.count(ListState::Pending)
+        ),
+        (1, 5),
+        "{overview:?}"
+    );
+    let released = outbox_core::store::Outcomes {
+        events: batch
+            .claims
+            .iter()
+            .filter_map(|claim| claim.event())
+            .map(|event| (event.id, outbox_core::store::EventOutcome::Released))
+            .collect(),
+        deliveries: Vec::new(),
+    };
+    let _ = outbox
+        .store()
+        .record(batch.token, &released)
+        .await
+        .unwrap();
+    assert_eq!(list(ListQuery::new(ListState::Claimed)).await, []);
     for _ in 0..10 {
         let report = relay.run_once().await.unwrap();
         if report.claimed == 0 && !report.more {
@@ -406,6 +442,34 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
         [(b1, y.clone()), (c1, None)]
     );
     assert_eq!(list(ListQuery::new(ListState::Pending)).await, []);
+    // The overview counts every state and says what holds what back: the dead event c:1 its
+    // aggregate (c:2 set aside behind it), the parked d:1 its aggregate, x's failing a:1 its key
+    // (a:2 waits), y's dead b:1 its key.
+    let overview = outbox.overview().await.unwrap();
+    let counts = ListState::ALL.map(|state| (state.as_str(), overview.count(state)));
+    assert_eq!(
+        counts,
+        [
+            ("pending", 0),
+            ("claimed", 0),
+            ("parked", 1),
+            ("held", 1),
+            ("retrying", 1),
+            ("waiting", 1),
+            ("dead", 2),
+            ("skipped", 0)
+        ],
+        "{overview:?}"
+    );
+    let held = |cause| {
+        let held = overview.held_back_by(cause);
+        (held.blocked, held.waiting)
+    };
+    assert_eq!(held(HoldCause::DeadEvent), (1, 1), "{overview:?}");
+    assert_eq!(held(HoldCause::ParkedEvent), (1, 0), "{overview:?}");
+    assert_eq!(held(HoldCause::LastingClaim), (0, 0), "{overview:?}");
+    assert_eq!(held(HoldCause::FailingDelivery), (1, 1), "{overview:?}");
+    assert_eq!(held(HoldCause::DeadDelivery), (1, 0), "{overview:?}");
     // Filters.
     assert_eq!(
         list(ListQuery::new(ListState::Dead).subscriber("y")).await,

@@ -18,7 +18,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use outbox_core::store::Requeue;
 use outbox_sqlx::{
-    Backend, DeadLetter, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames,
+    Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames,
 };
 use serde::Serialize;
 use serde_json::{Value, json};
@@ -72,15 +72,8 @@ enum Command {
 
 #[derive(Subcommand)]
 enum DeadLetters {
-    /// List dead letters, by event id
-    List {
-        /// Only this subscriber's dead deliveries
-        #[arg(long)]
-        subscriber: Option<String>,
-        /// Only events of this type
-        #[arg(long)]
-        event_type: Option<String>,
-    },
+    /// List dead letters, by event id, a page at a time (as `list --state dead`)
+    List(PageArgs),
     /// Dead letters grouped by failure: subscriber, kind and first line of the error, largest
     /// groups first
     Groups,
@@ -98,9 +91,15 @@ struct RequeueArgs {
 
 #[derive(Args)]
 struct ListArgs {
-    /// pending, parked, held, retrying, waiting, dead or skipped
+    /// pending, claimed, parked, held, retrying, waiting, dead or skipped
     #[arg(long, value_parser = parse_state)]
     state: ListState,
+    #[command(flatten)]
+    page: PageArgs,
+}
+
+#[derive(Args)]
+struct PageArgs {
     /// Only this subscriber's deliveries
     #[arg(long)]
     subscriber: Option<String>,
@@ -281,42 +280,10 @@ async fn run<DB: Backend>(
             ))
         }
         Command::Status => status(&outbox, json).await,
-        Command::DeadLetters(DeadLetters::List {
-            subscriber,
-            event_type,
-        }) => {
-            let letters: Vec<DeadLetter> = outbox
-                .dead_letters()
-                .await?
-                .into_iter()
-                .filter(|d| {
-                    subscriber
-                        .as_ref()
-                        .is_none_or(|s| d.subscriber.as_ref() == Some(s))
-                        && event_type.as_ref().is_none_or(|t| &d.event_type == t)
-                })
-                .collect();
-            Ok(dead_letters(&letters, json))
+        Command::DeadLetters(DeadLetters::List(page)) => {
+            list(&outbox, ListState::Dead, page, json).await
         }
-        Command::List(args) => {
-            let mut query = ListQuery::new(args.state).limit(args.limit);
-            if let Some(subscriber) = &args.subscriber {
-                query = query.subscriber(subscriber);
-            }
-            if let Some(event_type) = &args.event_type {
-                query = query.event_type(event_type);
-            }
-            if let Some(aggregate) = args.aggregate {
-                query = query.aggregate(aggregate);
-            }
-            if let Some(after) = &args.after {
-                let (id, subscriber) = parse_after(after)?;
-                query = query.after(id, subscriber);
-            }
-            let rows = outbox.list(&query).await?;
-            let full = rows.len() == usize::try_from(args.limit).unwrap_or(usize::MAX);
-            Ok(listed(&rows, args.state, full, json))
-        }
+        Command::List(args) => list(&outbox, args.state, &args.page, json).await,
         Command::DeadLetters(DeadLetters::Groups) => Ok(dead_letter_groups(
             &outbox.dead_letter_groups().await?,
             json,
@@ -403,6 +370,32 @@ async fn run<DB: Backend>(
     }
 }
 
+/// One page of the rows in `state`, and how to ask for the next.
+async fn list<DB: Backend>(
+    outbox: &Outbox<DB, ()>,
+    state: ListState,
+    page: &PageArgs,
+    json: bool,
+) -> Result<String, Failure> {
+    let mut query = ListQuery::new(state).limit(page.limit);
+    if let Some(subscriber) = &page.subscriber {
+        query = query.subscriber(subscriber);
+    }
+    if let Some(event_type) = &page.event_type {
+        query = query.event_type(event_type);
+    }
+    if let Some(aggregate) = page.aggregate {
+        query = query.aggregate(aggregate);
+    }
+    if let Some(after) = &page.after {
+        let (id, subscriber) = parse_after(after)?;
+        query = query.after(id, subscriber);
+    }
+    let rows = outbox.list(&query).await?;
+    let full = rows.len() == usize::try_from(page.limit).unwrap_or(usize::MAX);
+    Ok(listed(&rows, state, full, json))
+}
+
 fn say(json: bool, value: &Value, text: &str) -> String {
     if json {
         format!("{value}\n")
@@ -421,6 +414,12 @@ struct SubscriberRow {
 
 async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<String, Failure> {
     let status = outbox.status().await?;
+    let overview = outbox.overview().await?;
+    let held_back: Vec<_> = overview
+        .held_back
+        .iter()
+        .filter(|held| held.blocked > 0)
+        .collect();
     let subscribers: Vec<SubscriberRow> = outbox
         .subscribers()
         .await?
@@ -450,6 +449,19 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             "oldest_unroutable_age_seconds":
                 status.oldest_unroutable_age.map(|age| age.as_secs_f64()),
             "subscribers": subscribers,
+            "states": ListState::ALL
+                .iter()
+                .map(|state| (state.as_str().to_owned(), Value::from(overview.count(*state))))
+                .collect::<serde_json::Map<_, _>>(),
+            "held_back": held_back
+                .iter()
+                .map(|held| json!({
+                    "cause": held.cause.as_str(),
+                    "blocks": held.cause.blocks(),
+                    "blocked": held.blocked,
+                    "waiting": held.waiting,
+                }))
+                .collect::<Vec<_>>(),
         });
         return Ok(format!("{value}\n"));
     }
@@ -497,6 +509,35 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
             ],
         ],
     );
+    out.push('\n');
+    out.push_str(&table(
+        &["STATE", "COUNT"],
+        &ListState::ALL
+            .iter()
+            .map(|state| vec![state.as_str().to_owned(), overview.count(*state).to_string()])
+            .collect::<Vec<_>>(),
+    ));
+    out.push('\n');
+    if held_back.is_empty() {
+        out.push_str("nothing held back\n");
+    } else {
+        out.push_str(&table(
+            &["HELD BACK BY", "BLOCKS", "WAITING BEHIND"],
+            &held_back
+                .iter()
+                .map(|held| {
+                    vec![
+                        held.cause.as_str().to_owned(),
+                        match (held.blocked, held.cause.blocks()) {
+                            (1, blocks) => format!("1 {}", blocks.trim_end_matches('s')),
+                            (n, blocks) => format!("{n} {blocks}"),
+                        },
+                        held.waiting.to_string(),
+                    ]
+                })
+                .collect::<Vec<_>>(),
+        ));
+    }
     if !subscribers.is_empty() {
         out.push('\n');
         out.push_str(&table(
@@ -615,52 +656,6 @@ fn dead_letter_groups(groups: &[DeadLetterGroup], json: bool) -> String {
                     g.kind.to_owned(),
                     format!("{}..{}", g.first_event_id, g.last_event_id),
                     shorten(&g.first_line, 60),
-                ]
-            })
-            .collect::<Vec<_>>(),
-    )
-}
-
-fn dead_letters(letters: &[DeadLetter], json: bool) -> String {
-    if json {
-        let rows: Vec<Value> = letters
-            .iter()
-            .map(|d| {
-                json!({
-                    "event_id": d.event_id,
-                    "subscriber": d.subscriber,
-                    "event_type": d.event_type,
-                    "aggregate_type": d.aggregate_type,
-                    "aggregate_id": d.aggregate_id,
-                    "attempts": d.attempts,
-                    "last_error": d.last_error,
-                })
-            })
-            .collect();
-        return format!("{}\n", Value::from(rows));
-    }
-    if letters.is_empty() {
-        return "no dead letters\n".to_owned();
-    }
-    table(
-        &[
-            "EVENT",
-            "SUBSCRIBER",
-            "EVENT TYPE",
-            "AGGREGATE",
-            "ATTEMPTS",
-            "LAST ERROR",
-        ],
-        &letters
-            .iter()
-            .map(|d| {
-                vec![
-                    d.event_id.to_string(),
-                    d.subscriber.clone().unwrap_or_else(|| "(all)".to_owned()),
-                    d.event_type.clone(),
-                    format!("{} {}", d.aggregate_type, d.aggregate_id),
-                    d.attempts.to_string(),
-                    shorten(d.last_error.as_deref().unwrap_or("-"), 60),
                 ]
             })
             .collect::<Vec<_>>(),
