@@ -160,6 +160,15 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         queries: &Self::Queries,
     ) -> impl Future<Output = Result<crate::Overview, sqlx::Error>> + Send;
 
+    /// How many events were published (handed to every subscriber, or skipped) within the
+    /// last `window`.
+    #[doc(hidden)]
+    fn published_within(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        window: Duration,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
     /// The dead letters grouped by (subscriber, first line of the last error).
     #[doc(hidden)]
     fn dead_letter_groups(

@@ -65,6 +65,8 @@
 #![doc(test(attr(deny(warnings))))]
 
 mod backend;
+#[cfg(feature = "console")]
+pub mod console;
 mod error;
 pub mod inbox;
 mod names;
@@ -84,13 +86,13 @@ pub use error::Error;
 pub use inbox::Received;
 pub use names::TableNames;
 pub use outbox::{Outbox, SqlStore};
-pub use views::{
-    DeadLetter, DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview,
-};
 pub use outbox_core as core;
 pub use outbox_core::store::{Requeue, Status};
 pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
+};
+pub use views::{
+    DeadLetter, DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview,
 };
 
 /// Test-only hooks into the stores, for fault tests (feature `_fault-injection`; not a public

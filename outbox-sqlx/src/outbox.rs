@@ -224,6 +224,12 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(DB::overview(self.pool(), self.queries()).await?)
     }
 
+    /// How many events were published (handed to every subscriber, or skipped by an operator)
+    /// within the last `window`: a rate, read by index. The console samples it for its chart.
+    pub async fn published_within(&self, window: std::time::Duration) -> Result<u64, Error> {
+        Ok(DB::published_within(self.pool(), self.queries(), window).await?)
+    }
+
     /// The dead letters grouped by failure (subscriber and first line of the last error),
     /// largest groups first: what went wrong, once per cause.
     pub async fn dead_letter_groups(&self) -> Result<Vec<DeadLetterGroup>, Error> {

@@ -17,12 +17,14 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, registry_of,
-    row_count, sealed, sql, subscriber_status, subscribers_query,
+    apply_migrations, registry_of, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
-use crate::views::{Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview, overview_query};
 use crate::names::TableNames;
+use crate::views::{
+    Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
+    overview_query,
+};
 
 impl sealed::Sealed for Postgres {}
 
@@ -119,6 +121,8 @@ pub struct PgQueries {
     /// One page of each state, in the order of `ListState::ALL`.
     list: [SqlStr; 8],
     overview: SqlStr,
+    /// Events published within a window (`published_idx`).
+    published_within: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
 }
@@ -799,6 +803,9 @@ SELECT (SELECT count(*) FROM deleted),
             )),
             list: crate::ListState::ALL.map(|state| sql(list_query(&dialect, state))),
             overview: sql(overview_query(&dialect)),
+            published_within: sql(format!(
+                "SELECT count(*) FROM {outbox} WHERE published_at > now() - $1 * interval '1 second'"
+            )),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("split_part(coalesce({c}, ''), E'\\n', 1)", c = c)
             })),
@@ -1278,7 +1285,23 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
     }
 
     async fn overview(pool: &PgPool, queries: &PgQueries) -> Result<crate::Overview, sqlx::Error> {
-        overview(&sqlx::query(queries.overview.clone()).fetch_one(pool).await?)
+        overview(
+            &sqlx::query(queries.overview.clone())
+                .fetch_one(pool)
+                .await?,
+        )
+    }
+
+    async fn published_within(
+        pool: &PgPool,
+        queries: &PgQueries,
+        window: Duration,
+    ) -> Result<u64, sqlx::Error> {
+        let count: i64 = sqlx::query_scalar(queries.published_within.clone())
+            .bind(window.as_secs_f64())
+            .fetch_one(pool)
+            .await?;
+        Ok(row_count(count))
     }
 
     async fn dead_letter_groups(

@@ -22,12 +22,14 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, row_count,
-    sealed, sql, subscriber_status, subscribers_query,
+    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
-use crate::views::{Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview, overview_query};
 use crate::names::TableNames;
+use crate::views::{
+    Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
+    overview_query,
+};
 
 impl sealed::Sealed for Sqlite {}
 
@@ -128,6 +130,8 @@ pub struct SqliteQueries {
     /// One page of each state, in the order of `ListState::ALL`.
     list: [SqlStr; 8],
     overview: SqlStr,
+    /// Events published within a window (`published_idx`).
+    published_within: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
@@ -425,6 +429,9 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             )),
             list: crate::ListState::ALL.map(|state| sql(list_query(&dialect, state))),
             overview: sql(overview_query(&dialect)),
+            published_within: sql(format!(
+                "SELECT count(*) FROM {outbox} WHERE published_at > $1"
+            )),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
                 format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)", c = c)
             })),
@@ -1070,8 +1077,27 @@ LIMIT $4"#
             .collect()
     }
 
-    async fn overview(pool: &SqlitePool, queries: &SqliteQueries) -> Result<crate::Overview, sqlx::Error> {
-        overview(&sqlx::query(queries.overview.clone()).fetch_one(pool).await?)
+    async fn overview(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+    ) -> Result<crate::Overview, sqlx::Error> {
+        overview(
+            &sqlx::query(queries.overview.clone())
+                .fetch_one(pool)
+                .await?,
+        )
+    }
+
+    async fn published_within(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        window: Duration,
+    ) -> Result<u64, sqlx::Error> {
+        let count: i64 = sqlx::query_scalar(queries.published_within.clone())
+            .bind(now().saturating_sub(i64::try_from(window.as_micros()).unwrap_or(i64::MAX)))
+            .fetch_one(pool)
+            .await?;
+        Ok(row_count(count))
     }
 
     async fn dead_letter_groups(

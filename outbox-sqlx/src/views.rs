@@ -364,9 +364,7 @@ pub(crate) fn overview_query(d: &Dialect<'_>) -> String {
                  (SELECT count(*) FROM {outbox} AS o WHERE o.held_by IS NOT NULL)"
             ),
             HoldCause::DeadDelivery => keys_behind("d.dead_at IS NOT NULL"),
-            HoldCause::FailingDelivery => {
-                keys_behind("d.dead_at IS NULL AND d.attempts > 0")
-            }
+            HoldCause::FailingDelivery => keys_behind("d.dead_at IS NULL AND d.attempts > 0"),
         })
         .join(",\n       ");
     format!("SELECT {counts},\n       {causes}")
@@ -493,10 +491,7 @@ pub struct HeldBack {
 }
 
 /// One row of [`list_query`].
-pub(crate) fn listed<R: sqlx::Row>(
-    row: &R,
-    state: ListState,
-) -> Result<Listed, sqlx::Error>
+pub(crate) fn listed<R: sqlx::Row>(row: &R, state: ListState) -> Result<Listed, sqlx::Error>
 where
     for<'r> &'r str: sqlx::ColumnIndex<R>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -547,9 +542,7 @@ ORDER BY dead DESC, first_event_id"#
 }
 
 /// One group of [`dead_letter_groups_query`]'s rows.
-pub(crate) fn dead_letter_group<R: sqlx::Row>(
-    row: &R,
-) -> Result<DeadLetterGroup, sqlx::Error>
+pub(crate) fn dead_letter_group<R: sqlx::Row>(row: &R) -> Result<DeadLetterGroup, sqlx::Error>
 where
     for<'r> &'r str: sqlx::ColumnIndex<R>,
     for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
@@ -573,4 +566,3 @@ where
         last_event_id: row.try_get("last_event_id")?,
     })
 }
-

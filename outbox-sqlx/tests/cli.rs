@@ -150,10 +150,7 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
         table.contains("HELD BACK BY   BLOCKS       WAITING BEHIND\n"),
         "{table}"
     );
-    assert!(
-        table.contains("parked event   1 aggregate  0\n"),
-        "{table}"
-    );
+    assert!(table.contains("parked event   1 aggregate  0\n"), "{table}");
     assert!(table.contains("dead letters         2\n"), "{table}");
     assert!(table.contains("blocked aggregates   2\n"), "{table}");
     assert!(

@@ -413,11 +413,7 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
             .collect(),
         deliveries: Vec::new(),
     };
-    let _ = outbox
-        .store()
-        .record(batch.token, &released)
-        .await
-        .unwrap();
+    let _ = outbox.store().record(batch.token, &released).await.unwrap();
     assert_eq!(list(ListQuery::new(ListState::Claimed)).await, []);
     for _ in 0..10 {
         let report = relay.run_once().await.unwrap();

@@ -17,9 +17,7 @@ use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
 use outbox_core::store::Requeue;
-use outbox_sqlx::{
-    Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames,
-};
+use outbox_sqlx::{Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames};
 use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::Connection;
@@ -68,6 +66,45 @@ enum Command {
     Skip(SkipArgs),
     /// Delete published events; dead letters and undelivered events are never deleted
     Purge(PurgeArgs),
+    /// Serve the web console (with the `console` feature): the status over time, what holds
+    /// work back, dead letters and parked events with their payloads; requeue and skip with
+    /// --allow-writes
+    Serve(ServeArgs),
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    /// The address to listen on: a loopback address unless --allow-remote
+    #[arg(long, default_value = "127.0.0.1:7890")]
+    bind: std::net::SocketAddr,
+    /// Let operators requeue and skip from the console (it is read-only without this)
+    #[arg(long)]
+    allow_writes: bool,
+    /// Listen on an address other machines can reach
+    #[arg(long)]
+    allow_remote: bool,
+    /// How often the console samples the status for its charts: 500ms, 5s, 1m
+    #[arg(long, default_value = "5s", value_parser = parse_interval)]
+    sample_every: Duration,
+}
+
+/// `500ms`, `5s` or `1m`.
+fn parse_interval(text: &str) -> Result<Duration, String> {
+    let (number, unit) = text.split_at(
+        text.find(|c: char| !c.is_ascii_digit())
+            .unwrap_or(text.len()),
+    );
+    let n: u64 = number
+        .parse()
+        .map_err(|_| format!("`{text}`: expected a number and a unit: 500ms, 5s, 1m"))?;
+    match unit {
+        "ms" => Ok(Duration::from_millis(n)),
+        "s" => Ok(Duration::from_secs(n)),
+        "m" => Ok(Duration::from_secs(n.saturating_mul(60))),
+        _ => Err(format!(
+            "`{text}`: expected a number and a unit: 500ms, 5s, 1m"
+        )),
+    }
 }
 
 #[derive(Subcommand)]
@@ -226,6 +263,10 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
         Failure("no database: pass --database-url or set DATABASE_URL".to_owned())
     })?;
     let names = TableNames::new(&cli.schema, &cli.table)?;
+    if let Command::Serve(args) = &cli.command {
+        // Before connecting: a console that would not be allowed to listen is not started.
+        check_serve(args)?;
+    }
     if url.starts_with("postgres://") || url.starts_with("postgresql://") {
         run(connect::<sqlx::Postgres>(url).await?, names, cli).await
     } else if url.starts_with("sqlite:") {
@@ -236,6 +277,57 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
             url.split(':').next().unwrap_or(url)
         )))
     }
+}
+
+#[cfg(feature = "console")]
+fn check_serve(args: &ServeArgs) -> Result<(), Failure> {
+    Ok(outbox_sqlx::console::check_bind(
+        args.bind,
+        args.allow_remote,
+    )?)
+}
+
+#[cfg(not(feature = "console"))]
+fn check_serve(_: &ServeArgs) -> Result<(), Failure> {
+    Err(Failure(
+        "this outbox tool was built without the web console: build it with `--features \
+         console`"
+            .to_owned(),
+    ))
+}
+
+#[cfg(feature = "console")]
+async fn serve<DB: Backend>(outbox: &Outbox<DB, ()>, args: &ServeArgs) -> Result<String, Failure> {
+    use std::io::Write as _;
+    let listener = tokio::net::TcpListener::bind(args.bind)
+        .await
+        .map_err(|error| Failure(format!("cannot listen on {}: {error}", args.bind)))?;
+    let addr = listener.local_addr()?;
+    let mode = if args.allow_writes {
+        "writable: requeue and skip allowed"
+    } else {
+        "read-only"
+    };
+    // Printed at once (not when the command ends), so that a script can read the address.
+    let mut stdout = std::io::stdout();
+    writeln!(
+        stdout,
+        "console on http://{addr}/ ({mode}); Ctrl-C stops it"
+    )?;
+    stdout.flush()?;
+    outbox_sqlx::console::Console::new(outbox)
+        .writable(args.allow_writes)
+        .sample_every(args.sample_every)
+        .serve(listener, async {
+            let _ = tokio::signal::ctrl_c().await;
+        })
+        .await?;
+    Ok(String::new())
+}
+
+#[cfg(not(feature = "console"))]
+async fn serve<DB: Backend>(_: &Outbox<DB, ()>, args: &ServeArgs) -> Result<String, Failure> {
+    check_serve(args).map(|()| String::new())
 }
 
 async fn connect<DB: Backend>(url: &str) -> Result<sqlx::Pool<DB>, Failure> {
@@ -280,6 +372,7 @@ async fn run<DB: Backend>(
             ))
         }
         Command::Status => status(&outbox, json).await,
+        Command::Serve(args) => serve(&outbox, args).await,
         Command::DeadLetters(DeadLetters::List(page)) => {
             list(&outbox, ListState::Dead, page, json).await
         }
@@ -514,7 +607,12 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
         &["STATE", "COUNT"],
         &ListState::ALL
             .iter()
-            .map(|state| vec![state.as_str().to_owned(), overview.count(*state).to_string()])
+            .map(|state| {
+                vec![
+                    state.as_str().to_owned(),
+                    overview.count(*state).to_string(),
+                ]
+            })
             .collect::<Vec<_>>(),
     ));
     out.push('\n');

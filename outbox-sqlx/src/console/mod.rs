@@ -1,0 +1,478 @@
+//! A web console for operators: `outbox serve`, or [`Console::serve`] from an application.
+//!
+//! One page, no external assets (it works offline): the status and its history (pending work,
+//! events published per second, the oldest pending event's age), every state's count, what
+//! holds work back and why, dead letters and parked events with their payloads and errors, dead
+//! letters grouped by failure, and any state's rows a page at a time. It reads through the same
+//! [`Outbox`] methods as the command-line tool.
+//!
+//! Read-only unless [`writable`](Console::writable): then it requeues and skips, each with a
+//! reason (a skip's reason is recorded in the `<table>_skips` table as `outbox skip` records it;
+//! a requeue's is logged, at `info`, on the `outbox::console` target). It listens on a loopback
+//! address unless told otherwise ([`check_bind`]).
+//!
+//! ```no_run
+//! # async fn run(outbox: outbox_sqlx::Outbox<sqlx::Postgres, ()>) -> std::io::Result<()> {
+//! use outbox_sqlx::console::{Console, check_bind};
+//!
+//! let addr = "127.0.0.1:7890".parse().unwrap();
+//! check_bind(addr, false).expect("a loopback address");
+//! let listener = tokio::net::TcpListener::bind(addr).await?;
+//! Console::new(&outbox)
+//!     .writable(true)
+//!     .serve(listener, std::future::pending())
+//!     .await
+//! # }
+//! ```
+//!
+//! Writes are accepted only as JSON (`Content-Type: application/json`): a page of another site
+//! cannot send one without the browser asking first, which the console never allows.
+
+use std::collections::VecDeque;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::http::{StatusCode, header};
+use axum::response::{Html, IntoResponse, Response};
+use axum::routing::{get, post};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use tokio::net::TcpListener;
+use uuid::Uuid;
+
+use crate::{Backend, ListQuery, ListState, Listed, Outbox, Requeue};
+
+/// The page: HTML, CSS and script in one file, nothing fetched from elsewhere.
+const PAGE: &str = include_str!("page.html");
+
+/// How many samples of the status the console keeps: an hour at the default interval.
+const HISTORY: usize = 720;
+
+/// A web console over one outbox's tables. See the [module](self) documentation.
+pub struct Console<DB: Backend> {
+    outbox: Outbox<DB, ()>,
+    writable: bool,
+    sample_every: Duration,
+}
+
+impl<DB: Backend> Console<DB> {
+    /// A read-only console over `outbox`'s tables, sampling the status every 5 s.
+    pub fn new<R>(outbox: &Outbox<DB, R>) -> Self {
+        Self {
+            outbox: Outbox::with_names(outbox.pool().clone(), outbox.names().clone()),
+            writable: false,
+            sample_every: Duration::from_secs(5),
+        }
+    }
+
+    /// Whether operators may requeue and skip from the console (default: no, read-only).
+    #[must_use]
+    pub fn writable(mut self, writable: bool) -> Self {
+        self.writable = writable;
+        self
+    }
+
+    /// How often the console samples the status for its charts (default 5 s; at least 100 ms).
+    #[must_use]
+    pub fn sample_every(mut self, every: Duration) -> Self {
+        self.sample_every = every.max(Duration::from_millis(100));
+        self
+    }
+
+    /// Serves the console on `listener` until `shutdown` completes.
+    pub async fn serve(
+        self,
+        listener: TcpListener,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> std::io::Result<()> {
+        let state = Arc::new(Shared {
+            outbox: self.outbox,
+            writable: self.writable,
+            history: Mutex::new(VecDeque::new()),
+        });
+        let app = axum::Router::new()
+            .route("/", get(page))
+            .route("/api/overview", get(overview::<DB>))
+            .route("/api/history", get(history::<DB>))
+            .route("/api/list", get(list::<DB>))
+            .route("/api/groups", get(groups::<DB>))
+            .route("/api/requeue", post(requeue::<DB>))
+            .route("/api/skip", post(skip::<DB>))
+            .with_state(Arc::clone(&state));
+        let sampler = sample(state, self.sample_every);
+        tokio::select! {
+            served = axum::serve(listener, app).with_graceful_shutdown(shutdown) => served,
+            never = sampler => match never {},
+        }
+    }
+}
+
+/// Refuses to listen on `addr` unless it is a loopback address (127.0.0.0/8, `::1`) or
+/// `allow_remote` says so: the console shows payloads, and a writable one changes the outbox.
+pub fn check_bind(addr: SocketAddr, allow_remote: bool) -> Result<(), String> {
+    if addr.ip().is_loopback() || allow_remote {
+        Ok(())
+    } else {
+        Err(format!(
+            "refusing to serve the console on {addr}, which is not a loopback address: it \
+             shows event payloads to whoever reaches it (pass --allow-remote to mean it)"
+        ))
+    }
+}
+
+struct Shared<DB: Backend> {
+    outbox: Outbox<DB, ()>,
+    writable: bool,
+    history: Mutex<VecDeque<Sample>>,
+}
+
+/// The status at one moment, for the charts.
+#[derive(Clone, Serialize)]
+struct Sample {
+    /// Seconds since the Unix epoch.
+    at: f64,
+    /// Pending events and deliveries, dead letters excluded.
+    pending: u64,
+    /// Events published per second since the previous sample.
+    published_per_second: f64,
+    /// The oldest pending event's age, in seconds (0 when none is pending).
+    oldest_age: f64,
+    dead_letters: u64,
+}
+
+/// Samples the status every `every`, for ever; a failed read is skipped (and logged).
+async fn sample<DB: Backend>(state: Arc<Shared<DB>>, every: Duration) -> std::convert::Infallible {
+    let mut ticks = tokio::time::interval(every);
+    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut last = tokio::time::Instant::now();
+    loop {
+        ticks.tick().await;
+        let window = last.elapsed();
+        last = tokio::time::Instant::now();
+        let read = async {
+            let status = state.outbox.status().await?;
+            let published = state.outbox.published_within(window).await?;
+            Ok::<_, crate::Error>((status, published))
+        };
+        match read.await {
+            Ok((status, published)) => {
+                let sample = Sample {
+                    at: SystemTime::now()
+                        .duration_since(UNIX_EPOCH)
+                        .unwrap_or_default()
+                        .as_secs_f64(),
+                    pending: status.pending_events + status.pending_deliveries,
+                    #[allow(clippy::cast_precision_loss)] // A rate for a chart.
+                    published_per_second: published as f64 / window.as_secs_f64().max(1e-3),
+                    oldest_age: status
+                        .oldest_pending_age
+                        .map_or(0.0, |age| age.as_secs_f64()),
+                    dead_letters: status.dead_letters,
+                };
+                let mut history = state.history.lock().unwrap_or_else(PoisonError::into_inner);
+                if history.len() == HISTORY {
+                    history.pop_front();
+                }
+                history.push_back(sample);
+            }
+            Err(error) => tracing::warn!(%error, "outbox console could not sample the status"),
+        }
+    }
+}
+
+/// An error for the page: a status and a message.
+struct Failure(StatusCode, String);
+
+impl IntoResponse for Failure {
+    fn into_response(self) -> Response {
+        (self.0, Json(json!({ "error": self.1 }))).into_response()
+    }
+}
+
+impl From<crate::Error> for Failure {
+    fn from(error: crate::Error) -> Self {
+        Self(StatusCode::SERVICE_UNAVAILABLE, error.to_string())
+    }
+}
+
+async fn page() -> impl IntoResponse {
+    (
+        [
+            (header::CACHE_CONTROL, "no-store"),
+            (
+                header::CONTENT_SECURITY_POLICY,
+                "default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; \
+                 connect-src 'self'; img-src 'self' data:",
+            ),
+        ],
+        Html(PAGE),
+    )
+}
+
+async fn overview<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+) -> Result<Json<Value>, Failure> {
+    let outbox = &state.outbox;
+    let status = outbox.status().await?;
+    let overview = outbox.overview().await?;
+    let subscribers = outbox.subscribers().await?;
+    Ok(Json(json!({
+        "writable": state.writable,
+        "status": {
+            "pending_events": status.pending_events,
+            "pending_deliveries": status.pending_deliveries,
+            "dead_letters": status.dead_letters,
+            "oldest_pending_age_seconds": status.oldest_pending_age.map(|age| age.as_secs_f64()),
+            "blocked_keys": status.blocked_keys,
+            "blocked_aggregates": status.blocked_aggregates,
+            "held_events": status.held_events,
+            "behind_dead_letters": status.behind_dead_letters,
+            "settled": status.is_settled(),
+            "live_relays": status.live_relays,
+            "unroutable_events": status.unroutable_events,
+            "unroutable_deliveries": status.unroutable_deliveries,
+        },
+        "states": ListState::ALL
+            .iter()
+            .map(|state| json!({"state": state.as_str(), "count": overview.count(*state)}))
+            .collect::<Vec<_>>(),
+        "held_back": overview
+            .held_back
+            .iter()
+            .map(|held| json!({
+                "cause": held.cause.as_str(),
+                "blocks": held.cause.blocks(),
+                "blocked": held.blocked,
+                "waiting": held.waiting,
+            }))
+            .collect::<Vec<_>>(),
+        "subscribers": subscribers
+            .iter()
+            .map(|s| json!({
+                "subscriber": s.subscriber,
+                "pending": s.pending,
+                "dead": s.dead,
+                "blocked_keys": s.blocked_keys,
+            }))
+            .collect::<Vec<_>>(),
+    })))
+}
+
+async fn history<DB: Backend>(State(state): State<Arc<Shared<DB>>>) -> Json<Vec<Sample>> {
+    let history = state.history.lock().unwrap_or_else(PoisonError::into_inner);
+    Json(history.iter().cloned().collect())
+}
+
+#[derive(Deserialize)]
+struct ListParams {
+    state: String,
+    subscriber: Option<String>,
+    event_type: Option<String>,
+    aggregate: Option<String>,
+    /// `<event id>` or `<event id>/<subscriber>`: the last row of the previous page.
+    after: Option<String>,
+    limit: Option<u32>,
+}
+
+async fn list<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+    Query(params): Query<ListParams>,
+) -> Result<Json<Value>, Failure> {
+    let bad = |message: String| Failure(StatusCode::BAD_REQUEST, message);
+    let list_state: ListState = params.state.parse().map_err(bad)?;
+    let limit = params.limit.unwrap_or(50).clamp(1, 1000);
+    let mut query = ListQuery::new(list_state).limit(limit);
+    if let Some(subscriber) = params.subscriber.filter(|s| !s.is_empty()) {
+        query = query.subscriber(subscriber);
+    }
+    if let Some(event_type) = params.event_type.filter(|s| !s.is_empty()) {
+        query = query.event_type(event_type);
+    }
+    if let Some(aggregate) = params.aggregate.filter(|s| !s.is_empty()) {
+        let id = Uuid::parse_str(aggregate.trim())
+            .map_err(|error| bad(format!("aggregate `{aggregate}` is not a UUID: {error}")))?;
+        query = query.aggregate(id);
+    }
+    if let Some(after) = params.after.filter(|s| !s.is_empty()) {
+        let (id, subscriber) = match after.split_once('/') {
+            Some((id, subscriber)) => (id, Some(subscriber)),
+            None => (after.as_str(), None),
+        };
+        let id = id.parse().map_err(|_| {
+            bad(format!(
+                "after `{after}`: expected an event id, or `<event id>/<subscriber>`"
+            ))
+        })?;
+        query = query.after(id, subscriber);
+    }
+    let rows = state.outbox.list(&query).await?;
+    let next = (rows.len() == usize::try_from(limit).unwrap_or(usize::MAX))
+        .then(|| rows.last().map(page_key))
+        .flatten();
+    Ok(Json(json!({
+        "state": list_state.as_str(),
+        "rows": rows.iter().map(row).collect::<Vec<_>>(),
+        "next": next,
+    })))
+}
+
+/// Where the next page starts, after `row`.
+fn page_key(row: &Listed) -> String {
+    match &row.subscriber {
+        Some(subscriber) => format!("{}/{subscriber}", row.event_id),
+        None => row.event_id.to_string(),
+    }
+}
+
+fn row(row: &Listed) -> Value {
+    json!({
+        "event_id": row.event_id,
+        "subscriber": row.subscriber,
+        "state": row.state.as_str(),
+        "event_type": row.event_type,
+        "aggregate_type": row.aggregate_type,
+        "aggregate_id": row.aggregate_id,
+        "attempts": row.attempts,
+        "last_error": row.last_error,
+        "reason": row.reason,
+        "payload": row.payload,
+    })
+}
+
+async fn groups<DB: Backend>(State(state): State<Arc<Shared<DB>>>) -> Result<Json<Value>, Failure> {
+    let groups = state.outbox.dead_letter_groups().await?;
+    Ok(Json(Value::from(
+        groups
+            .iter()
+            .map(|g| {
+                json!({
+                    "subscriber": g.subscriber,
+                    "kind": g.kind,
+                    "first_line": g.first_line,
+                    "dead": g.dead,
+                    "first_event_id": g.first_event_id,
+                    "last_event_id": g.last_event_id,
+                })
+            })
+            .collect::<Vec<_>>(),
+    )))
+}
+
+/// Refuses a write unless the console is writable; returns the reason, which must be given.
+fn may_write<DB: Backend>(state: &Shared<DB>, reason: &str) -> Result<String, Failure> {
+    if !state.writable {
+        return Err(Failure(
+            StatusCode::FORBIDDEN,
+            "the console is read-only: start it with --allow-writes to requeue or skip".to_owned(),
+        ));
+    }
+    let reason = reason.trim();
+    if reason.is_empty() {
+        return Err(Failure(
+            StatusCode::BAD_REQUEST,
+            "give a reason: it is kept with what you change".to_owned(),
+        ));
+    }
+    Ok(reason.to_owned())
+}
+
+#[derive(Deserialize)]
+struct RequeueBody {
+    /// Dead or parked events, with every dead delivery of them.
+    #[serde(default)]
+    event_ids: Vec<i64>,
+    /// Or every dead delivery of this subscriber.
+    subscriber: Option<String>,
+    reason: String,
+}
+
+async fn requeue<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+    Json(body): Json<RequeueBody>,
+) -> Result<Json<Value>, Failure> {
+    let reason = may_write(&state, &body.reason)?;
+    let which = match (body.subscriber, body.event_ids.is_empty()) {
+        (Some(subscriber), true) => Requeue::Subscriber(subscriber),
+        (None, false) => Requeue::Events(body.event_ids),
+        _ => {
+            return Err(Failure(
+                StatusCode::BAD_REQUEST,
+                "name either event ids or a subscriber".to_owned(),
+            ));
+        }
+    };
+    let requeued = state.outbox.requeue(&which).await?;
+    if requeued == 0 {
+        return Err(Failure(
+            StatusCode::CONFLICT,
+            "nothing to requeue: nothing named is dead or parked (any more)".to_owned(),
+        ));
+    }
+    tracing::info!(
+        target: "outbox::console",
+        ?which,
+        requeued,
+        reason = %reason,
+        "requeued from the console"
+    );
+    Ok(Json(json!({ "requeued": requeued })))
+}
+
+#[derive(Deserialize)]
+struct SkipBody {
+    event_id: i64,
+    subscriber: Option<String>,
+    reason: String,
+}
+
+async fn skip<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+    Json(body): Json<SkipBody>,
+) -> Result<Json<Value>, Failure> {
+    let reason = may_write(&state, &body.reason)?;
+    let skipped = state
+        .outbox
+        .skip(body.event_id, body.subscriber.as_deref(), &reason)
+        .await?;
+    if !skipped {
+        return Err(Failure(
+            StatusCode::CONFLICT,
+            format!(
+                "cannot skip event {}: it is not {}, or a relay is working on it now",
+                body.event_id,
+                if body.subscriber.is_some() {
+                    "an undelivered delivery of that subscriber"
+                } else {
+                    "a dead or parked event"
+                }
+            ),
+        ));
+    }
+    Ok(Json(json!({ "skipped": true })))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_bind;
+
+    #[test]
+    fn only_loopback_addresses_unless_asked() {
+        for local in ["127.0.0.1:7890", "127.1.2.3:0", "[::1]:7890"] {
+            assert_eq!(check_bind(local.parse().unwrap(), false), Ok(()), "{local}");
+        }
+        for remote in ["0.0.0.0:7890", "192.168.1.5:80", "[::]:7890"] {
+            let refused = check_bind(remote.parse().unwrap(), false).unwrap_err();
+            assert!(refused.contains("not a loopback address"), "{refused}");
+            assert!(refused.contains("--allow-remote"), "{refused}");
+            assert_eq!(
+                check_bind(remote.parse().unwrap(), true),
+                Ok(()),
+                "{remote}"
+            );
+        }
+    }
+}
