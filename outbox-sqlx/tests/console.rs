@@ -399,7 +399,7 @@ async fn an_operator_requeues_a_dead_letter_in_a_real_browser_and_it_is_delivere
     }
     let (db, outbox, probe, dead, doomed) = scenario().await;
     let served = Served::start(&db, &["--allow-writes"]);
-    await_samples(&served, 3);
+    await_samples(&served, 10);
     let shots = std::env::var_os("OUTBOX_SCREENSHOTS")
         .map_or_else(|| driver.join("screenshots"), PathBuf::from);
     std::fs::create_dir_all(&shots).unwrap();
