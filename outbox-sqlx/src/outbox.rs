@@ -217,7 +217,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(DB::list(self.pool(), self.queries(), query).await?)
     }
 
-    /// How many events and deliveries are in each [`ListState`], and what holds work back,
+    /// How many events and deliveries are in each [`ListState`](crate::ListState), and what holds work back,
     /// by cause ([`HoldCause`](crate::HoldCause)): a parked event blocking its aggregate, a
     /// dead delivery blocking its key, and what waits behind each.
     pub async fn overview(&self) -> Result<Overview, Error> {

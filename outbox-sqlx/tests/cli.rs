@@ -314,9 +314,9 @@ async fn a_hundred_thousand_dead_letters_are_listed_a_page_at_a_time() {
         stderr.contains("unknown state `lost`: expected one of pending, claimed, parked"),
         "{stderr}"
     );
-    let stderr = fails(Some(&db), &["list", "--state", "dead", "--after", "x/y"], 1);
+    let stderr = fails(Some(&db), &["list", "--state", "dead", "--after", "x/y"], 2);
     assert!(
-        stderr.contains("--after `x/y`: expected an event id"),
+        stderr.contains("invalid value 'x/y' for '--after <AFTER>': expected an event id"),
         "{stderr}"
     );
 }
@@ -388,7 +388,7 @@ async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
     let stderr = fails(
         Some(&db),
         &["purge", "--published-before", "2999-01-01T00:00:00Z"],
-        1,
+        2,
     );
     assert!(stderr.contains("is in the future"), "{stderr}");
     // Everything but the parked Pong is published now.
@@ -434,8 +434,9 @@ fn bad_arguments_are_usage_errors_with_exit_code_2() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn databases_it_cannot_use_are_clear_errors_with_exit_code_1() {
-    let stderr = fails(None, &["status"], 1);
+async fn databases_it_cannot_use_are_clear_errors() {
+    // No database, or one it does not speak: the command line is wrong (2).
+    let stderr = fails(None, &["status"], 2);
     assert!(
         stderr.contains("no database: pass --database-url or set DATABASE_URL"),
         "{stderr}"
@@ -456,13 +457,13 @@ async fn databases_it_cannot_use_are_clear_errors_with_exit_code_1() {
     );
     assert!(took < Duration::from_secs(2), "took {took:?}");
     let mysql = ["--database-url", "mysql://root@127.0.0.1/test", "status"];
-    let stderr = fails(None, &mysql, 1);
+    let stderr = fails(None, &mysql, 2);
     assert!(
         stderr.contains("unsupported database URL `mysql`"),
         "{stderr}"
     );
     let db = TestDb::new().await;
-    let stderr = fails(Some(&db), &["--table", "outbox; drop", "status"], 1);
+    let stderr = fails(Some(&db), &["--table", "outbox; drop", "status"], 2);
     assert!(
         stderr.contains(r#"invalid SQL identifier "outbox; drop" for the table"#),
         "{stderr}"
@@ -470,6 +471,84 @@ async fn databases_it_cannot_use_are_clear_errors_with_exit_code_1() {
     // Not migrated yet: the database says what is missing.
     let stderr = fails(Some(&db), &["status"], 1);
     assert!(stderr.contains("does not exist"), "{stderr}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_command_exits_0_when_done_1_when_it_could_not_2_on_a_wrong_command_line() {
+    let (db, [delivered, doomed, raw]) = scenario().await;
+    let (delivered, doomed, raw) = (delivered.to_string(), doomed.to_string(), raw.to_string());
+    let states = [
+        "pending", "claimed", "parked", "held", "retrying", "waiting", "dead", "skipped",
+    ];
+    let mut cases: Vec<(Vec<&str>, i32)> = vec![
+        (vec!["migrate"], 0),
+        (vec!["status"], 0),
+        (vec!["dead-letters", "list"], 0),
+        (vec!["dead-letters", "groups"], 0),
+        // Nothing to requeue or skip: tried, and could not.
+        (vec!["requeue", &delivered], 1),
+        (vec!["requeue", "--subscriber", "nobody"], 1),
+        (vec!["skip", &delivered, "--reason", "r"], 1),
+        (
+            vec!["skip", &delivered, "--subscriber", "y", "--reason", "r"],
+            1,
+        ),
+        // Done.
+        (vec!["requeue", &doomed], 0),
+        (vec!["skip", &raw, "--reason", "bad payload"], 0),
+        (vec!["purge", "--published-before", "30d"], 0),
+        // The command line is wrong: nothing tried.
+        (vec!["list", "--state", "dead", "--after", "x"], 2),
+        (vec!["list", "--state", "dead", "--limit", "0"], 2),
+        (
+            vec!["purge", "--published-before", "2999-01-01T00:00:00Z"],
+            2,
+        ),
+        (vec!["--table", "bad name", "status"], 2),
+        (vec!["serve", "--bind", "10.0.0.1:80"], 2),
+        (vec!["serve", "--sample-every", "soon"], 2),
+        (vec!["status", "--bogus"], 2),
+    ];
+    for state in states {
+        cases.insert(4, (vec!["list", "--state", state], 0));
+    }
+    for (args, code) in cases {
+        // Reads in tables and in JSON; a change once, in JSON.
+        let changes = ["requeue", "skip", "purge"].contains(&args[0]) && code == 0;
+        for json in [false, true] {
+            if (json && code != 0) || (changes && !json) {
+                continue;
+            }
+            let args = if json {
+                [&args[..], &["--json"]].concat()
+            } else {
+                args.clone()
+            };
+            let output = on(Some(&db), &args);
+            let (stdout, stderr) = (
+                String::from_utf8_lossy(&output.stdout),
+                String::from_utf8_lossy(&output.stderr),
+            );
+            assert_eq!(
+                output.status.code(),
+                Some(code),
+                "outbox {args:?}: {stdout}{stderr}"
+            );
+            if code == 0 {
+                assert_eq!(stderr, "", "outbox {args:?}");
+                if json {
+                    serde_json::from_str::<Value>(&stdout)
+                        .unwrap_or_else(|e| panic!("outbox {args:?}: not JSON ({e}): {stdout}"));
+                }
+            } else {
+                assert_eq!(stdout, "", "outbox {args:?}");
+                assert!(stderr.starts_with("error: "), "outbox {args:?}: {stderr}");
+            }
+        }
+    }
+    // A requeue, then nothing left: every code is about this database's state.
+    let stderr = fails(Some(&db), &["requeue", &doomed], 1);
+    assert!(stderr.contains("nothing to requeue"), "{stderr}");
 }
 
 #[test]

@@ -315,7 +315,7 @@ async fn the_console_listens_on_loopback_unless_asked() {
         ])
         .output()
         .unwrap();
-    assert_eq!(output.status.code(), Some(1));
+    assert_eq!(output.status.code(), Some(2));
     let stderr = String::from_utf8(output.stderr).unwrap();
     assert!(
         stderr.contains("refusing to serve the console on 0.0.0.0:0, which is not a loopback"),
@@ -327,8 +327,15 @@ async fn the_console_listens_on_loopback_unless_asked() {
         .migrate()
         .await
         .unwrap();
-    let local = Served::start(&db, &["--bind", "127.0.0.1:0"]);
+    let mut local = Served::start(&db, &["--bind", "127.0.0.1:0"]);
     assert!(local.addr.ip().is_loopback());
+    // Ctrl-C stops it, successfully.
+    let interrupted = Command::new("kill")
+        .args(["-INT", &local.child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(interrupted.success());
+    assert_eq!(local.child.wait().unwrap().code(), Some(0));
     // Asked: any address.
     let remote = Served::start(&db, &["--bind", "0.0.0.0:0", "--allow-remote"]);
     assert!(remote.addr.ip().is_unspecified(), "{}", remote.addr);

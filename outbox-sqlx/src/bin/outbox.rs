@@ -8,8 +8,11 @@
 //! outbox purge --published-before 30d
 //! ```
 //!
-//! Tables by default, `--json` for scripts. Exit status 0 on success, 1 when the command fails
-//! (an unreachable database, nothing to requeue or skip), 2 on bad arguments.
+//! Tables by default, `--json` for scripts. Exit status: 0 when the command did what it says; 1
+//! when it was tried and could not (the database unreachable, with the cause; nothing to requeue
+//! or skip; tables not migrated); 2 when the command line is wrong, so nothing was tried (an
+//! unknown flag, a malformed value, no or an unsupported database URL, an invalid table name, a
+//! console address that is not local without `--allow-remote`).
 
 use std::fmt::Write as _;
 use std::process::ExitCode;
@@ -148,8 +151,8 @@ struct PageArgs {
     aggregate: Option<uuid::Uuid>,
     /// Start after this row: `<event id>` or `<event id>/<subscriber>`, as the previous page
     /// says
-    #[arg(long)]
-    after: Option<String>,
+    #[arg(long, value_parser = parse_after)]
+    after: Option<(i64, Option<String>)>,
     /// Rows per page
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     limit: u32,
@@ -160,16 +163,14 @@ fn parse_state(name: &str) -> Result<ListState, String> {
 }
 
 /// `1042` or `1042/licensing`.
-fn parse_after(after: &str) -> Result<(i64, Option<&str>), Failure> {
+fn parse_after(after: &str) -> Result<(i64, Option<String>), String> {
     let (id, subscriber) = match after.split_once('/') {
-        Some((id, subscriber)) => (id, Some(subscriber)),
+        Some((id, subscriber)) => (id, Some(subscriber.to_owned())),
         None => (after, None),
     };
-    let id = id.parse().map_err(|_| {
-        Failure(format!(
-            "--after `{after}`: expected an event id, or `<event id>/<subscriber>`"
-        ))
-    })?;
+    let id = id
+        .parse()
+        .map_err(|_| "expected an event id, or `<event id>/<subscriber>`".to_owned())?;
     Ok((id, subscriber))
 }
 
@@ -199,6 +200,9 @@ struct PurgeArgs {
 /// An RFC 3339 timestamp, or an age before now such as `30d`.
 fn parse_before(text: &str) -> Result<OffsetDateTime, String> {
     if let Ok(time) = OffsetDateTime::parse(text, &Rfc3339) {
+        if time > OffsetDateTime::now_utc() {
+            return Err(format!("`{text}` is in the future"));
+        }
         return Ok(time);
     }
     let unit = text.char_indices().last().map_or(0, |(i, _)| i);
@@ -225,12 +229,34 @@ fn parse_before(text: &str) -> Result<OffsetDateTime, String> {
     }
 }
 
-/// A failed command, for the user.
-struct Failure(String);
+/// A failed command, for the user: tried and failed (exit 1), or a wrong command line, so that
+/// nothing was tried (exit 2).
+struct Failure {
+    message: String,
+    usage: bool,
+}
+
+impl Failure {
+    /// The command was tried and could not be done.
+    fn new(message: String) -> Self {
+        Self {
+            message,
+            usage: false,
+        }
+    }
+
+    /// The command line is wrong: nothing was tried.
+    fn usage(message: String) -> Self {
+        Self {
+            message,
+            usage: true,
+        }
+    }
+}
 
 impl<E: std::fmt::Display> From<E> for Failure {
     fn from(error: E) -> Self {
-        Self(error.to_string())
+        Self::new(error.to_string())
     }
 }
 
@@ -254,15 +280,20 @@ fn main() -> ExitCode {
 
 #[allow(clippy::print_stderr)] // The tool's errors are for the operator at the terminal.
 fn fail(failure: &Failure) -> ExitCode {
-    eprintln!("error: {}", failure.0);
-    ExitCode::FAILURE
+    eprintln!("error: {}", failure.message);
+    if failure.usage {
+        ExitCode::from(2)
+    } else {
+        ExitCode::FAILURE
+    }
 }
 
 async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
     let url = cli.database_url.as_deref().ok_or_else(|| {
-        Failure("no database: pass --database-url or set DATABASE_URL".to_owned())
+        Failure::usage("no database: pass --database-url or set DATABASE_URL".to_owned())
     })?;
-    let names = TableNames::new(&cli.schema, &cli.table)?;
+    let names = TableNames::new(&cli.schema, &cli.table)
+        .map_err(|error| Failure::usage(error.to_string()))?;
     if let Command::Serve(args) = &cli.command {
         // Before connecting: a console that would not be allowed to listen is not started.
         check_serve(args)?;
@@ -272,7 +303,7 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
     } else if url.starts_with("sqlite:") {
         run(connect::<sqlx::Sqlite>(url).await?, names, cli).await
     } else {
-        Err(Failure(format!(
+        Err(Failure::usage(format!(
             "unsupported database URL `{}`: use postgres://... or sqlite://...",
             url.split(':').next().unwrap_or(url)
         )))
@@ -281,15 +312,12 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
 
 #[cfg(feature = "console")]
 fn check_serve(args: &ServeArgs) -> Result<(), Failure> {
-    Ok(outbox_sqlx::console::check_bind(
-        args.bind,
-        args.allow_remote,
-    )?)
+    outbox_sqlx::console::check_bind(args.bind, args.allow_remote).map_err(Failure::usage)
 }
 
 #[cfg(not(feature = "console"))]
 fn check_serve(_: &ServeArgs) -> Result<(), Failure> {
-    Err(Failure(
+    Err(Failure::usage(
         "this outbox tool was built without the web console: build it with `--features \
          console`"
             .to_owned(),
@@ -301,7 +329,7 @@ async fn serve<DB: Backend>(outbox: &Outbox<DB, ()>, args: &ServeArgs) -> Result
     use std::io::Write as _;
     let listener = tokio::net::TcpListener::bind(args.bind)
         .await
-        .map_err(|error| Failure(format!("cannot listen on {}: {error}", args.bind)))?;
+        .map_err(|error| Failure::new(format!("cannot listen on {}: {error}", args.bind)))?;
     let addr = listener.local_addr()?;
     let mode = if args.allow_writes {
         "writable: requeue and skip allowed"
@@ -331,13 +359,14 @@ async fn serve<DB: Backend>(_: &Outbox<DB, ()>, args: &ServeArgs) -> Result<Stri
 }
 
 async fn connect<DB: Backend>(url: &str) -> Result<sqlx::Pool<DB>, Failure> {
-    let cannot = |error: sqlx::Error| Failure(format!("cannot connect to the database: {error}"));
+    let cannot =
+        |error: sqlx::Error| Failure::new(format!("cannot connect to the database: {error}"));
     // One connection first, alone: its error is the cause (connection refused, unknown host,
     // authentication), where a pool retries until its timeout and reports only that.
     let first = tokio::time::timeout(CONNECT_TIMEOUT, DB::Connection::connect(url))
         .await
         .map_err(|_| {
-            Failure(format!(
+            Failure::new(format!(
                 "cannot connect to the database: no answer within {} s",
                 CONNECT_TIMEOUT.as_secs()
             ))
@@ -388,7 +417,7 @@ async fn run<DB: Backend>(
             };
             let changed = outbox.requeue(&which).await?;
             if changed == 0 {
-                return Err(Failure(match &args.subscriber {
+                return Err(Failure::new(match &args.subscriber {
                     Some(subscriber) => {
                         let known: Vec<String> = outbox
                             .subscribers()
@@ -435,7 +464,7 @@ async fn run<DB: Backend>(
                 } else {
                     "a dead or parked event"
                 };
-                return Err(Failure(format!(
+                return Err(Failure::new(format!(
                     "cannot skip {what}: it is not {expected}, or a relay is working on it now"
                 )));
             }
@@ -446,13 +475,9 @@ async fn run<DB: Backend>(
             ))
         }
         Command::Purge(args) => {
+            // (Parsed as a time no later than then: a clock going back since reads as now.)
             let age = OffsetDateTime::now_utc() - args.published_before;
-            let older_than = Duration::try_from(age).map_err(|_| {
-                Failure(format!(
-                    "--published-before {} is in the future",
-                    args.published_before.format(&Rfc3339).unwrap_or_default()
-                ))
-            })?;
+            let older_than = Duration::try_from(age).unwrap_or_default();
             let purged = outbox.purge_published(older_than, args.batch_size).await?;
             Ok(say(
                 json,
@@ -480,9 +505,8 @@ async fn list<DB: Backend>(
     if let Some(aggregate) = page.aggregate {
         query = query.aggregate(aggregate);
     }
-    if let Some(after) = &page.after {
-        let (id, subscriber) = parse_after(after)?;
-        query = query.after(id, subscriber);
+    if let Some((id, subscriber)) = &page.after {
+        query = query.after(*id, subscriber.as_deref());
     }
     let rows = outbox.list(&query).await?;
     let full = rows.len() == usize::try_from(page.limit).unwrap_or(usize::MAX);
