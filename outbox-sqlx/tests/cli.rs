@@ -182,6 +182,47 @@ async fn status_and_dead_letters_show_what_is_left_in_tables_and_json() {
     );
     let pongs = json_of(&db, &["dead-letters", "list", "--event-type", "Pong"]);
     assert_eq!(pongs, json!([]));
+    // Each state by name, with its filters.
+    let rows = |args: &[&str]| -> Vec<(i64, Value)> {
+        json_of(&db, &[&["list"], args].concat())
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| (r["event_id"].as_i64().unwrap(), r["subscriber"].clone()))
+            .collect()
+    };
+    let parked = json_of(&db, &["list", "--state", "parked"]);
+    assert_eq!(parked.as_array().unwrap().len(), 1, "{parked}");
+    assert_eq!(parked[0]["event_type"], "Pong", "{parked}");
+    assert!(
+        parked[0]["payload"]
+            .as_str()
+            .unwrap()
+            .contains("\"version\"")
+    );
+    let pong = parked[0]["aggregate_id"].as_str().unwrap().to_owned();
+    assert_eq!(rows(&["--state", "parked", "--event-type", "Ping"]), []);
+    assert_eq!(rows(&["--state", "parked", "--aggregate", &pong]).len(), 1);
+    assert_eq!(
+        rows(&["--state", "dead", "--subscriber", "y"]),
+        [(doomed, Value::from("y"))]
+    );
+    assert_eq!(
+        rows(&["--state", "dead", "--event-type", "Ping", "--limit", "1"]),
+        [(doomed, Value::from("y"))]
+    );
+    assert_eq!(
+        rows(&["--state", "dead", "--after", &format!("{doomed}/y")]),
+        [(raw, Value::Null)]
+    );
+    for state in [
+        "pending", "claimed", "held", "retrying", "waiting", "skipped",
+    ] {
+        assert_eq!(rows(&["--state", state]), [], "{state}");
+    }
+    let table = ok(&db, &["list", "--state", "parked"]);
+    assert!(table.contains("Pong"), "{table}");
+    assert_eq!(ok(&db, &["list", "--state", "held"]), "nothing held\n");
     let table = ok(&db, &["dead-letters", "list"]);
     assert!(
         table.starts_with("EVENT  SUBSCRIBER  EVENT TYPE"),

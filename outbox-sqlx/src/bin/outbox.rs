@@ -695,6 +695,7 @@ fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
                     "attempts": r.attempts,
                     "last_error": r.last_error,
                     "reason": r.reason,
+                    "payload": r.payload,
                 })
             })
             .collect();
