@@ -93,6 +93,7 @@ pub use tx::{
 };
 pub use views::{
     DeadLetter, DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview,
+    Report,
 };
 
 /// Test-only hooks into the stores, for fault tests (feature `_fault-injection`; not a public

@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
-use crate::views::{DeadLetter, DeadLetterGroup, ListQuery, Listed, Overview};
+use crate::views::{DeadLetter, DeadLetterGroup, ListQuery, Listed, Overview, Report};
 use crate::wake::Wakeups;
 use outbox_core::store::{
     Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
@@ -222,6 +222,16 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// dead delivery blocking its key, and what waits behind each.
     pub async fn overview(&self) -> Result<Overview, Error> {
         Ok(DB::overview(self.pool(), self.queries()).await?)
+    }
+
+    /// The status, the overview and each subscriber's counts, read one after another: what
+    /// `outbox status` shows.
+    pub async fn report(&self) -> Result<Report, Error> {
+        Ok(Report::new(
+            self.status().await?,
+            self.overview().await?,
+            self.subscribers().await?,
+        ))
     }
 
     /// How many events were published (handed to every subscriber, or skipped by an operator)

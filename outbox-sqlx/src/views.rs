@@ -2,10 +2,12 @@
 //! and an overview of what holds work back. The SQL is shared by the backends, with the few
 //! dialect differences passed in.
 
+use outbox_core::store::Status;
 use uuid::Uuid;
 
 #[cfg(doc)]
 use crate::Outbox;
+use crate::SubscriberStatus;
 
 /// A dead letter: it waits for an operator to fix its cause and [requeue](Outbox::requeue) it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -175,6 +177,7 @@ impl ListQuery {
 
 /// One row of [`Outbox::list`]: an event, or one subscriber's delivery of it.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct Listed {
     /// The event.
@@ -203,6 +206,7 @@ pub struct Listed {
 /// Dead letters that failed alike: one subscriber, one first line of the last error. One bad
 /// deploy is one group, not ten thousand rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
 #[non_exhaustive]
 pub struct DeadLetterGroup {
     /// The subscriber; `None` for events that cannot be decoded at all.
@@ -565,4 +569,136 @@ where
         first_event_id: row.try_get("first_event_id")?,
         last_event_id: row.try_get("last_event_id")?,
     })
+}
+
+/// Everything `outbox status` shows, read at once: the [`Status`], the [`Overview`] and each
+/// subscriber's counts. With the `serde` feature it serializes as `outbox status --json`
+/// prints it (and the console reads it).
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub struct Report {
+    /// What is left to deliver, dead letters, relays at work, what none of them routes.
+    pub status: Status,
+    /// Each state's count and what holds work back.
+    pub overview: Overview,
+    /// What each subscriber has left.
+    pub subscribers: Vec<SubscriberStatus>,
+}
+
+impl Report {
+    pub(crate) fn new(
+        status: Status,
+        overview: Overview,
+        subscribers: Vec<SubscriberStatus>,
+    ) -> Self {
+        Self {
+            status,
+            overview,
+            subscribers,
+        }
+    }
+}
+
+#[cfg(feature = "serde")]
+mod serialize {
+    use serde::ser::{Serialize, SerializeMap, SerializeStruct, Serializer};
+
+    use super::{HeldBack, HoldCause, ListState, Overview, Report};
+    use crate::SubscriberStatus;
+
+    impl Serialize for ListState {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            serializer.serialize_str(self.as_str())
+        }
+    }
+
+    impl Serialize for HoldCause {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            serializer.serialize_str(self.as_str())
+        }
+    }
+
+    impl Serialize for HeldBack {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut held = serializer.serialize_struct("HeldBack", 4)?;
+            held.serialize_field("cause", &self.cause)?;
+            held.serialize_field("blocks", self.cause.blocks())?;
+            held.serialize_field("blocked", &self.blocked)?;
+            held.serialize_field("waiting", &self.waiting)?;
+            held.end()
+        }
+    }
+
+    /// `{"pending": n, ...}` in the order of `ListState::ALL`.
+    struct States<'a>(&'a Overview);
+
+    impl Serialize for States<'_> {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut states = serializer.serialize_map(Some(ListState::ALL.len()))?;
+            for state in ListState::ALL {
+                states.serialize_entry(state.as_str(), &self.0.count(state))?;
+            }
+            states.end()
+        }
+    }
+
+    impl Serialize for Overview {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut overview = serializer.serialize_struct("Overview", 2)?;
+            overview.serialize_field("states", &States(self))?;
+            overview.serialize_field("held_back", &HeldBackNow(self))?;
+            overview.end()
+        }
+    }
+
+    /// The causes that hold something back now.
+    struct HeldBackNow<'a>(&'a Overview);
+
+    impl Serialize for HeldBackNow<'_> {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            serializer.collect_seq(self.0.held_back.iter().filter(|held| held.blocked > 0))
+        }
+    }
+
+    impl Serialize for SubscriberStatus {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let mut subscriber = serializer.serialize_struct("SubscriberStatus", 4)?;
+            subscriber.serialize_field("subscriber", &self.subscriber)?;
+            subscriber.serialize_field("pending", &self.pending)?;
+            subscriber.serialize_field("dead", &self.dead)?;
+            subscriber.serialize_field("blocked_keys", &self.blocked_keys)?;
+            subscriber.end()
+        }
+    }
+
+    impl Serialize for Report {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let status = &self.status;
+            let seconds = |age: Option<std::time::Duration>| age.map(|age| age.as_secs_f64());
+            let mut report = serializer.serialize_struct("Report", 16)?;
+            report.serialize_field("pending_events", &status.pending_events)?;
+            report.serialize_field(
+                "oldest_pending_age_seconds",
+                &seconds(status.oldest_pending_age),
+            )?;
+            report.serialize_field("pending_deliveries", &status.pending_deliveries)?;
+            report.serialize_field("dead_letters", &status.dead_letters)?;
+            report.serialize_field("blocked_keys", &status.blocked_keys)?;
+            report.serialize_field("blocked_aggregates", &status.blocked_aggregates)?;
+            report.serialize_field("held_events", &status.held_events)?;
+            report.serialize_field("behind_dead_letters", &status.behind_dead_letters)?;
+            report.serialize_field("settled", &status.is_settled())?;
+            report.serialize_field("live_relays", &status.live_relays)?;
+            report.serialize_field("unroutable_events", &status.unroutable_events)?;
+            report.serialize_field("unroutable_deliveries", &status.unroutable_deliveries)?;
+            report.serialize_field(
+                "oldest_unroutable_age_seconds",
+                &seconds(status.oldest_unroutable_age),
+            )?;
+            report.serialize_field("subscribers", &self.subscribers)?;
+            report.serialize_field("states", &States(&self.overview))?;
+            report.serialize_field("held_back", &HeldBackNow(&self.overview))?;
+            report.end()
+        }
+    }
 }

@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
-use outbox_tests::kit::{Fail, Ping, PingPong, Pong, Probe, XAndY, run_until};
-use outbox_tests::pg::TestDb;
+use outbox_tests::kit::{Fail, Ping, PingPong, Probe, XAndY, run_until};
+use outbox_tests::pg::{TestDb, publish_for_operators};
 use serde_json::{Value, json};
 use sqlx::Postgres;
 use uuid::Uuid;
@@ -68,21 +68,7 @@ async fn scenario() -> (TestDb, [i64; 3]) {
     assert!(ok(&db, &["migrate"]).contains("up to date"));
     let outbox: Outbox<Postgres, PingPong> = Outbox::new(db.pool.clone());
     let probe = Probe::default();
-    let doomed = Uuid::new_v4();
-    probe.fail("y", doomed, 1, [Fail::Permanent]);
-    for aggregate in [Uuid::new_v4(), doomed] {
-        let mut tx = outbox.begin().await.unwrap();
-        tx.publish(&Ping { aggregate, seq: 1 }).await.unwrap();
-        tx.commit().await.unwrap();
-    }
-    let mut tx = outbox.begin().await.unwrap();
-    tx.publish(&Pong {
-        aggregate: Uuid::new_v4(),
-        seq: 1,
-    })
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    publish_for_operators(&outbox, &probe).await;
     let raw: i64 = sqlx::query_scalar(
         "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
          VALUES ('probe', $1, 'Ping', '{\"version\": 1}') RETURNING id",

@@ -155,3 +155,29 @@ async fn drop_stale(conn: &mut PgConnection, now: u64) {
         }
     }
 }
+
+/// What the operator tools are tried on: publishes a `Ping` on a fresh aggregate, a `Ping` on
+/// an aggregate whose delivery to `y` will fail permanently once (`probe` is told), and a `Pong`
+/// (which `XAndY` does not route, so its relay parks it). Returns the doomed aggregate.
+pub async fn publish_for_operators(
+    outbox: &outbox_sqlx::Outbox<sqlx::Postgres, crate::kit::PingPong>,
+    probe: &crate::kit::Probe,
+) -> uuid::Uuid {
+    use crate::kit::{Fail, Ping, Pong};
+    let doomed = uuid::Uuid::new_v4();
+    probe.fail("y", doomed, 1, [Fail::Permanent]);
+    for aggregate in [uuid::Uuid::new_v4(), doomed] {
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq: 1 }).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: uuid::Uuid::new_v4(),
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    doomed
+}

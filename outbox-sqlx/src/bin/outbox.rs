@@ -21,7 +21,6 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 use outbox_core::store::Requeue;
 use outbox_sqlx::{Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, TableNames};
-use serde::Serialize;
 use serde_json::{Value, json};
 use sqlx::Connection;
 use sqlx::pool::PoolOptions;
@@ -521,67 +520,17 @@ fn say(json: bool, value: &Value, text: &str) -> String {
     }
 }
 
-#[derive(Serialize)]
-struct SubscriberRow {
-    subscriber: String,
-    pending: u64,
-    dead: u64,
-    blocked_keys: u64,
-}
-
 async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<String, Failure> {
-    let status = outbox.status().await?;
-    let overview = outbox.overview().await?;
+    let report = outbox.report().await?;
+    if json {
+        return Ok(format!("{}\n", serde_json::to_string(&report)?));
+    }
+    let (status, overview, subscribers) = (&report.status, &report.overview, &report.subscribers);
     let held_back: Vec<_> = overview
         .held_back
         .iter()
         .filter(|held| held.blocked > 0)
         .collect();
-    let subscribers: Vec<SubscriberRow> = outbox
-        .subscribers()
-        .await?
-        .into_iter()
-        .map(|s| SubscriberRow {
-            subscriber: s.subscriber,
-            pending: s.pending,
-            dead: s.dead,
-            blocked_keys: s.blocked_keys,
-        })
-        .collect();
-    let age = status.oldest_pending_age.map(|age| age.as_secs_f64());
-    if json {
-        let value = json!({
-            "pending_events": status.pending_events,
-            "oldest_pending_age_seconds": age,
-            "pending_deliveries": status.pending_deliveries,
-            "dead_letters": status.dead_letters,
-            "blocked_keys": status.blocked_keys,
-            "blocked_aggregates": status.blocked_aggregates,
-            "held_events": status.held_events,
-            "behind_dead_letters": status.behind_dead_letters,
-            "settled": status.is_settled(),
-            "live_relays": status.live_relays,
-            "unroutable_events": status.unroutable_events,
-            "unroutable_deliveries": status.unroutable_deliveries,
-            "oldest_unroutable_age_seconds":
-                status.oldest_unroutable_age.map(|age| age.as_secs_f64()),
-            "subscribers": subscribers,
-            "states": ListState::ALL
-                .iter()
-                .map(|state| (state.as_str().to_owned(), Value::from(overview.count(*state))))
-                .collect::<serde_json::Map<_, _>>(),
-            "held_back": held_back
-                .iter()
-                .map(|held| json!({
-                    "cause": held.cause.as_str(),
-                    "blocks": held.cause.blocks(),
-                    "blocked": held.blocked,
-                    "waiting": held.waiting,
-                }))
-                .collect::<Vec<_>>(),
-        });
-        return Ok(format!("{value}\n"));
-    }
     let mut out = table(
         &["", ""],
         &[
@@ -682,24 +631,7 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
 
 fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
     if json {
-        let rows: Vec<Value> = rows
-            .iter()
-            .map(|r| {
-                json!({
-                    "event_id": r.event_id,
-                    "subscriber": r.subscriber,
-                    "state": r.state.as_str(),
-                    "event_type": r.event_type,
-                    "aggregate_type": r.aggregate_type,
-                    "aggregate_id": r.aggregate_id,
-                    "attempts": r.attempts,
-                    "last_error": r.last_error,
-                    "reason": r.reason,
-                    "payload": r.payload,
-                })
-            })
-            .collect();
-        return format!("{}\n", Value::from(rows));
+        return format!("{}\n", serde_json::to_string(rows).unwrap_or_default());
     }
     if rows.is_empty() {
         return format!("nothing {}\n", state.as_str());
@@ -750,20 +682,7 @@ fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
 
 fn dead_letter_groups(groups: &[DeadLetterGroup], json: bool) -> String {
     if json {
-        let rows: Vec<Value> = groups
-            .iter()
-            .map(|g| {
-                json!({
-                    "subscriber": g.subscriber,
-                    "kind": g.kind,
-                    "first_line": g.first_line,
-                    "dead": g.dead,
-                    "first_event_id": g.first_event_id,
-                    "last_event_id": g.last_event_id,
-                })
-            })
-            .collect();
-        return format!("{}\n", Value::from(rows));
+        return format!("{}\n", serde_json::to_string(groups).unwrap_or_default());
     }
     if groups.is_empty() {
         return "no dead letters\n".to_owned();

@@ -12,6 +12,7 @@
 //! address unless told otherwise ([`check_bind`]).
 //!
 //! ```no_run
+//! # #[allow(dead_code)]
 //! # async fn run(outbox: outbox_sqlx::Outbox<sqlx::Postgres, ()>) -> std::io::Result<()> {
 //! use outbox_sqlx::console::{Console, check_bind};
 //!
@@ -44,7 +45,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::{Backend, ListQuery, ListState, Listed, Outbox, Requeue};
+use crate::{Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, Requeue};
 
 /// The page: HTML, CSS and script in one file, nothing fetched from elsewhere.
 const PAGE: &str = include_str!("page.html");
@@ -216,50 +217,10 @@ async fn page() -> impl IntoResponse {
 async fn overview<DB: Backend>(
     State(state): State<Arc<Shared<DB>>>,
 ) -> Result<Json<Value>, Failure> {
-    let outbox = &state.outbox;
-    let status = outbox.status().await?;
-    let overview = outbox.overview().await?;
-    let subscribers = outbox.subscribers().await?;
-    Ok(Json(json!({
-        "writable": state.writable,
-        "status": {
-            "pending_events": status.pending_events,
-            "pending_deliveries": status.pending_deliveries,
-            "dead_letters": status.dead_letters,
-            "oldest_pending_age_seconds": status.oldest_pending_age.map(|age| age.as_secs_f64()),
-            "blocked_keys": status.blocked_keys,
-            "blocked_aggregates": status.blocked_aggregates,
-            "held_events": status.held_events,
-            "behind_dead_letters": status.behind_dead_letters,
-            "settled": status.is_settled(),
-            "live_relays": status.live_relays,
-            "unroutable_events": status.unroutable_events,
-            "unroutable_deliveries": status.unroutable_deliveries,
-        },
-        "states": ListState::ALL
-            .iter()
-            .map(|state| json!({"state": state.as_str(), "count": overview.count(*state)}))
-            .collect::<Vec<_>>(),
-        "held_back": overview
-            .held_back
-            .iter()
-            .map(|held| json!({
-                "cause": held.cause.as_str(),
-                "blocks": held.cause.blocks(),
-                "blocked": held.blocked,
-                "waiting": held.waiting,
-            }))
-            .collect::<Vec<_>>(),
-        "subscribers": subscribers
-            .iter()
-            .map(|s| json!({
-                "subscriber": s.subscriber,
-                "pending": s.pending,
-                "dead": s.dead,
-                "blocked_keys": s.blocked_keys,
-            }))
-            .collect::<Vec<_>>(),
-    })))
+    let mut report = serde_json::to_value(state.outbox.report().await?)
+        .map_err(|error| Failure(StatusCode::INTERNAL_SERVER_ERROR, error.to_string()))?;
+    report["writable"] = Value::from(state.writable);
+    Ok(Json(report))
 }
 
 async fn history<DB: Backend>(State(state): State<Arc<Shared<DB>>>) -> Json<Vec<Sample>> {
@@ -315,7 +276,7 @@ async fn list<DB: Backend>(
         .flatten();
     Ok(Json(json!({
         "state": list_state.as_str(),
-        "rows": rows.iter().map(row).collect::<Vec<_>>(),
+        "rows": rows,
         "next": next,
     })))
 }
@@ -328,38 +289,10 @@ fn page_key(row: &Listed) -> String {
     }
 }
 
-fn row(row: &Listed) -> Value {
-    json!({
-        "event_id": row.event_id,
-        "subscriber": row.subscriber,
-        "state": row.state.as_str(),
-        "event_type": row.event_type,
-        "aggregate_type": row.aggregate_type,
-        "aggregate_id": row.aggregate_id,
-        "attempts": row.attempts,
-        "last_error": row.last_error,
-        "reason": row.reason,
-        "payload": row.payload,
-    })
-}
-
-async fn groups<DB: Backend>(State(state): State<Arc<Shared<DB>>>) -> Result<Json<Value>, Failure> {
-    let groups = state.outbox.dead_letter_groups().await?;
-    Ok(Json(Value::from(
-        groups
-            .iter()
-            .map(|g| {
-                json!({
-                    "subscriber": g.subscriber,
-                    "kind": g.kind,
-                    "first_line": g.first_line,
-                    "dead": g.dead,
-                    "first_event_id": g.first_event_id,
-                    "last_event_id": g.last_event_id,
-                })
-            })
-            .collect::<Vec<_>>(),
-    )))
+async fn groups<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+) -> Result<Json<Vec<DeadLetterGroup>>, Failure> {
+    Ok(Json(state.outbox.dead_letter_groups().await?))
 }
 
 /// Refuses a write unless the console is writable; returns the reason, which must be given.
