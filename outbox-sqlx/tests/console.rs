@@ -171,6 +171,15 @@ async fn a_read_only_console_shows_everything_and_changes_nothing() {
     for external in ["src=\"http", "href=\"http", "@import", "url(http"] {
         assert!(!page.contains(external), "the page loads `{external}`");
     }
+    // Only to a loopback name: a page of another site cannot rebind its own name to it.
+    for (host, expected) in [
+        ("localhost", 200),
+        ("evil.example", 421),
+        ("evil.example:80", 421),
+    ] {
+        let (status, body) = http_to(served.addr, host, "GET", "/api/overview");
+        assert_eq!(status, expected, "Host: {host}: {body}");
+    }
     let overview = json(&served.http("GET", "/api/overview", None).1);
     assert_eq!(overview["writable"], false);
     assert_eq!(overview["dead_letters"], 1, "{overview}");
@@ -272,6 +281,20 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
     assert!(body.contains("nothing to requeue"), "{body}");
 }
 
+/// A GET with the `Host` header `host`; (status, body).
+fn http_to(addr: SocketAddr, host: &str, method: &str, path: &str) -> (u16, String) {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut response = String::new();
+    stream.read_to_string(&mut response).unwrap();
+    let status = response.split(' ').nth(1).unwrap().parse().unwrap();
+    (status, response)
+}
+
 fn http_form(addr: SocketAddr, path: &str, form: &str) -> (u16, String) {
     let mut stream = TcpStream::connect(addr).unwrap();
     write!(
@@ -327,6 +350,14 @@ async fn the_console_listens_on_loopback_unless_asked() {
     assert!(remote.addr.ip().is_unspecified(), "{}", remote.addr);
     let port = remote.addr.port();
     let (status, _) = http(SocketAddr::from(([127, 0, 0, 1], port)), "GET", "/", None);
+    assert_eq!(status, 200);
+    // Served for other machines, it answers under their names for it too.
+    let (status, _) = http_to(
+        SocketAddr::from(([127, 0, 0, 1], port)),
+        "outbox.internal",
+        "GET",
+        "/",
+    );
     assert_eq!(status, 200);
 }
 

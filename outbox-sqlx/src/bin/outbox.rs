@@ -344,6 +344,7 @@ async fn serve<DB: Backend>(outbox: &Outbox<DB, ()>, args: &ServeArgs) -> Result
     stdout.flush()?;
     outbox_sqlx::console::Console::new(outbox)
         .writable(args.allow_writes)
+        .local_only(!args.allow_remote)
         .sample_every(args.sample_every)
         .serve(listener, async {
             let _ = tokio::signal::ctrl_c().await;

@@ -57,6 +57,7 @@ const HISTORY: usize = 720;
 pub struct Console<DB: Backend> {
     outbox: Outbox<DB, ()>,
     writable: bool,
+    local_only: bool,
     sample_every: Duration,
 }
 
@@ -66,6 +67,7 @@ impl<DB: Backend> Console<DB> {
         Self {
             outbox: Outbox::with_names(outbox.pool().clone(), outbox.names().clone()),
             writable: false,
+            local_only: true,
             sample_every: Duration::from_secs(5),
         }
     }
@@ -74,6 +76,16 @@ impl<DB: Backend> Console<DB> {
     #[must_use]
     pub fn writable(mut self, writable: bool) -> Self {
         self.writable = writable;
+        self
+    }
+
+    /// Whether the console answers only requests addressed to a loopback name (`localhost`,
+    /// `127.0.0.1`, `[::1]`; default: yes). A page of another site cannot then reach a local
+    /// console by making its own name point at 127.0.0.1 (DNS rebinding). Turn it off to serve
+    /// the console under another name ([`check_bind`]'s `allow_remote`).
+    #[must_use]
+    pub fn local_only(mut self, local_only: bool) -> Self {
+        self.local_only = local_only;
         self
     }
 
@@ -104,6 +116,11 @@ impl<DB: Backend> Console<DB> {
             .route("/api/requeue", post(requeue::<DB>))
             .route("/api/skip", post(skip::<DB>))
             .with_state(Arc::clone(&state));
+        let app = if self.local_only {
+            app.layer(axum::middleware::from_fn(local_hosts_only))
+        } else {
+            app
+        };
         let sampler = sample(state, self.sample_every);
         tokio::select! {
             served = axum::serve(listener, app).with_graceful_shutdown(shutdown) => served,
@@ -122,6 +139,47 @@ pub fn check_bind(addr: SocketAddr, allow_remote: bool) -> Result<(), String> {
             "refusing to serve the console on {addr}, which is not a loopback address: it \
              shows event payloads to whoever reaches it (pass --allow-remote to mean it)"
         ))
+    }
+}
+
+/// Whether `host` (a `Host` header: a name or an address, and maybe a port) names this machine
+/// by a loopback name.
+fn is_loopback_host(host: &str) -> bool {
+    let name = if let Some(rest) = host.strip_prefix('[') {
+        match rest.split_once(']') {
+            Some((address, port)) if port.is_empty() || port.starts_with(':') => address,
+            _ => return false,
+        }
+    } else {
+        host.rsplit_once(':').map_or(host, |(name, _)| name)
+    };
+    name.eq_ignore_ascii_case("localhost")
+        || name
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Refuses requests addressed to another name than a loopback one.
+async fn local_hosts_only(
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let host = request
+        .headers()
+        .get(header::HOST)
+        .and_then(|host| host.to_str().ok())
+        .unwrap_or("");
+    if is_loopback_host(host) {
+        next.run(request).await
+    } else {
+        Failure(
+            StatusCode::MISDIRECTED_REQUEST,
+            format!(
+                "the console answers only to localhost, 127.0.0.1 or [::1], not `{host}` \
+                 (start it with --allow-remote to serve it under other names)"
+            ),
+        )
+        .into_response()
     }
 }
 
@@ -390,7 +448,33 @@ async fn skip<DB: Backend>(
 
 #[cfg(test)]
 mod tests {
-    use super::check_bind;
+    use super::{check_bind, is_loopback_host};
+
+    #[test]
+    fn loopback_names_only() {
+        for local in [
+            "localhost",
+            "localhost:7890",
+            "LOCALHOST:1",
+            "127.0.0.1:7890",
+            "127.9.9.9",
+            "[::1]:7890",
+            "[::1]",
+        ] {
+            assert!(is_loopback_host(local), "{local}");
+        }
+        for other in [
+            "evil.example",
+            "evil.example:7890",
+            "localhost.evil.example:80",
+            "10.0.0.1:7890",
+            "[::]:7890",
+            "",
+            "[::1",
+        ] {
+            assert!(!is_loopback_host(other), "{other}");
+        }
+    }
 
     #[test]
     fn only_loopback_addresses_unless_asked() {
