@@ -394,6 +394,24 @@ pub enum Requeue {
     Events(Vec<i64>),
     /// Every dead delivery of this subscriber.
     Subscriber(String),
+    /// One failure group, as operators see dead letters grouped (`outbox dead-letters groups`):
+    /// the dead deliveries of `subscriber` whose last error's first line is `first_line`; with
+    /// no subscriber, the dead events whose error's first line it is (and every dead delivery
+    /// of them). After a fix for one bad deploy, its failures go back and nothing else does.
+    Failure {
+        /// The subscriber; `None` for events that could not be decoded.
+        subscriber: Option<String>,
+        /// The first line of the last error, exactly.
+        first_line: String,
+    },
+}
+
+impl Requeue {
+    /// The first line of `error` as failure groups compare it (up to the first `\n`; empty for
+    /// no error).
+    pub fn first_line(error: Option<&str>) -> &str {
+        error.unwrap_or("").split('\n').next().unwrap_or("")
+    }
 }
 
 /// What a store holds that is not done: the figures behind the relay's gauges and the

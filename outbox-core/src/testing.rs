@@ -341,6 +341,32 @@ impl ManualClock {
     }
 }
 
+/// Hands the dead or parked events `ids` back, with every dead delivery of them.
+fn requeue_events(
+    state: &mut State,
+    ids: &[i64],
+    reset: impl Fn(&mut DeliveryRow, &mut u64),
+    changed: &mut u64,
+) {
+    for row in state.deliveries.values_mut() {
+        if row.delivery.dead && ids.contains(&row.delivery.event_id) {
+            reset(row, changed);
+        }
+    }
+    for id in ids {
+        if let Some(row) = state.events.get_mut(id)
+            && !row.event.published
+            && (row.event.dead || row.next_retry_at.is_some())
+        {
+            row.event.dead = false;
+            row.event.parked = 0;
+            row.event.last_error = None;
+            row.next_retry_at = None;
+            *changed += 1;
+        }
+    }
+}
+
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding the lock leaves plain data behind; the test that panicked reports it.
     mutex.lock().unwrap_or_else(PoisonError::into_inner)
@@ -853,39 +879,50 @@ impl Store for MemoryStore {
         let now = self.clock.now();
         let mut state = lock(&self.state);
         let mut changed = 0;
-        let mut reset = |row: &mut DeliveryRow| {
+        let reset = |row: &mut DeliveryRow, changed: &mut u64| {
             row.delivery.dead = false;
             row.delivery.attempts = 0;
             row.delivery.last_error = None;
             row.delivery.next_attempt_at = now;
-            changed += 1;
+            *changed += 1;
         };
         match which {
-            Requeue::Events(ids) => {
-                for row in state.deliveries.values_mut() {
-                    if row.delivery.dead && ids.contains(&row.delivery.event_id) {
-                        reset(row);
-                    }
-                }
-                for id in ids {
-                    if let Some(row) = state.events.get_mut(id)
-                        && !row.event.published
-                        && (row.event.dead || row.next_retry_at.is_some())
-                    {
-                        row.event.dead = false;
-                        row.event.parked = 0;
-                        row.event.last_error = None;
-                        row.next_retry_at = None;
-                        changed += 1;
-                    }
-                }
-            }
+            Requeue::Events(ids) => requeue_events(&mut state, ids, reset, &mut changed),
             Requeue::Subscriber(subscriber) => {
                 for row in state.deliveries.values_mut() {
                     if row.delivery.dead && &row.delivery.subscriber == subscriber {
-                        reset(row);
+                        reset(row, &mut changed);
                     }
                 }
+            }
+            Requeue::Failure {
+                subscriber: Some(subscriber),
+                first_line,
+            } => {
+                for row in state.deliveries.values_mut() {
+                    if row.delivery.dead
+                        && &row.delivery.subscriber == subscriber
+                        && Requeue::first_line(row.delivery.last_error.as_deref()) == first_line
+                    {
+                        reset(row, &mut changed);
+                    }
+                }
+            }
+            Requeue::Failure {
+                subscriber: None,
+                first_line,
+            } => {
+                let ids: Vec<i64> = state
+                    .events
+                    .iter()
+                    .filter(|(_, row)| {
+                        row.event.dead
+                            && !row.event.published
+                            && Requeue::first_line(row.event.last_error.as_deref()) == first_line
+                    })
+                    .map(|(id, _)| *id)
+                    .collect();
+                requeue_events(&mut state, &ids, reset, &mut changed);
             }
         }
         Ok(changed)

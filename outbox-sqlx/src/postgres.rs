@@ -107,6 +107,8 @@ pub struct PgQueries {
     record: SqlStr,
     requeue_events: SqlStr,
     requeue_subscriber: SqlStr,
+    /// The dead events whose error's first line is $1.
+    dead_events_failing: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
     /// Begins a record that writes deliveries (see `lock_keys`).
@@ -162,6 +164,11 @@ const STATEMENT_TIMEOUT: &str = "10s";
 /// How long a relay may sit in its claim transaction without sending anything (frozen, say)
 /// before the server ends its session and so releases the claim lock.
 const IDLE_TIMEOUT: &str = "2s";
+
+/// The first line of the text column `c`, as failure groups compare errors.
+fn first_line(c: &str) -> String {
+    format!("split_part(coalesce({c}, ''), E'\\n', 1)")
+}
 
 impl Backend for Postgres {
     type Queries = PgQueries;
@@ -806,9 +813,7 @@ SELECT (SELECT count(*) FROM deleted),
             published_within: sql(format!(
                 "SELECT count(*) FROM {outbox} WHERE published_at > now() - $1 * interval '1 second'"
             )),
-            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
-                format!("split_part(coalesce({c}, ''), E'\\n', 1)", c = c)
-            })),
+            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
             dead_letters: sql(format!(
                 r#"
 SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
@@ -910,7 +915,15 @@ SELECT id, NULL, retry_count, last_error, $2 FROM gone"#
                 r#"
 UPDATE {deliveries}
 SET dead_at = NULL, attempts = 0, next_retry_at = now(), last_error = NULL
-WHERE subscriber = $1 AND dead_at IS NOT NULL"#
+WHERE subscriber = $1 AND dead_at IS NOT NULL
+  AND ($2::text IS NULL OR {line} = $2::text)"#,
+                line = first_line("last_error")
+            )),
+            dead_events_failing: sql(format!(
+                "SELECT id FROM {outbox}
+                 WHERE published_at IS NULL AND dead_at IS NOT NULL AND {line} = $1
+                 ORDER BY id",
+                line = first_line("last_error")
             )),
         }
     }
@@ -1437,24 +1450,47 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL"#
         queries: &PgQueries,
         which: &Requeue,
     ) -> Result<u64, sqlx::Error> {
-        match which {
-            Requeue::Events(ids) => {
-                // Under the claim lock, as `skip`.
-                let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
-                let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
-                    .bind(ids)
-                    .fetch_one(&mut *tx)
+        let (subscriber, first_line) = match which {
+            Requeue::Events(ids) => return requeue_events(pool, queries, ids).await,
+            Requeue::Failure {
+                subscriber: None,
+                first_line,
+            } => {
+                let ids: Vec<i64> = sqlx::query_scalar(queries.dead_events_failing.clone())
+                    .bind(first_line)
+                    .fetch_all(pool)
                     .await?;
-                tx.commit().await?;
-                Ok(u64::try_from(changed).unwrap_or(0))
+                return requeue_events(pool, queries, &ids).await;
             }
-            Requeue::Subscriber(subscriber) => Ok(sqlx::query(queries.requeue_subscriber.clone())
-                .bind(subscriber)
-                .execute(pool)
-                .await?
-                .rows_affected()),
-        }
+            Requeue::Subscriber(subscriber) => (subscriber, None),
+            Requeue::Failure {
+                subscriber: Some(subscriber),
+                first_line,
+            } => (subscriber, Some(first_line)),
+        };
+        Ok(sqlx::query(queries.requeue_subscriber.clone())
+            .bind(subscriber)
+            .bind(first_line)
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
+}
+
+/// Hands the dead or parked events `ids` back, with every dead delivery of them.
+async fn requeue_events(
+    pool: &PgPool,
+    queries: &PgQueries,
+    ids: &[i64],
+) -> Result<u64, sqlx::Error> {
+    // Under the claim lock, as `skip`.
+    let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
+    let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
+        .bind(ids)
+        .fetch_one(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(u64::try_from(changed).unwrap_or(0))
 }
 
 /// Passes notifications on `channel`, except those marked `own`, to `wake` until `wake` is gone

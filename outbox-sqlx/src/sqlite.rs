@@ -119,6 +119,8 @@ pub struct SqliteQueries {
     requeue_events: SqlStr,
     requeue_event_deliveries: SqlStr,
     requeue_subscriber: SqlStr,
+    /// The dead events whose error's first line is $1.
+    dead_events_failing: SqlStr,
     /// The next batch of old published events after where the last purge stopped (published
     /// time, then id), and whether a delivery still holds each.
     purge_examined: SqlStr,
@@ -154,6 +156,11 @@ fn after(delay: Duration) -> i64 {
 /// PostgreSQL.
 fn hold_after(lease: Duration) -> Duration {
     (lease / 4).min(Duration::from_secs(1))
+}
+
+/// The first line of the text column `c`, as failure groups compare errors.
+fn first_line(c: &str) -> String {
+    format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)")
 }
 
 impl Backend for Sqlite {
@@ -425,16 +432,22 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             requeue_subscriber: sql(format!(
                 "UPDATE {deliveries}
                  SET dead_at = NULL, attempts = 0, next_retry_at = $2, last_error = NULL
-                 WHERE subscriber = $1 AND dead_at IS NOT NULL"
+                 WHERE subscriber = $1 AND dead_at IS NOT NULL
+                   AND ($3 IS NULL OR {line} = $3)",
+                line = first_line("last_error")
+            )),
+            dead_events_failing: sql(format!(
+                "SELECT id FROM {outbox}
+                 WHERE published_at IS NULL AND dead_at IS NOT NULL AND {line} = $1
+                 ORDER BY id",
+                line = first_line("last_error")
             )),
             list: crate::ListState::ALL.map(|state| sql(list_query(&dialect, state))),
             overview: sql(overview_query(&dialect)),
             published_within: sql(format!(
                 "SELECT count(*) FROM {outbox} WHERE published_at > $1"
             )),
-            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, |c| {
-                format!("substr(coalesce({c}, ''), 1, instr(coalesce({c}, '') || char(10), char(10)) - 1)", c = c)
-            })),
+            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
             dead_letters: sql(format!(
                 r#"
 SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
@@ -1245,37 +1258,61 @@ LIMIT $4"#
         which: &Requeue,
     ) -> Result<u64, sqlx::Error> {
         let now = now();
-        match which {
-            Requeue::Events(ids) => {
-                let ids = json!(ids).to_string();
-                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-                let events = sqlx::query(queries.requeue_events.clone())
-                    .bind(&ids)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                let deliveries = sqlx::query(queries.requeue_event_deliveries.clone())
-                    .bind(&ids)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await?
-                    .rows_affected();
-                // What waited behind them is claimed again with them, in order.
-                sqlx::query(queries.unhold_behind.clone())
-                    .bind(&ids)
-                    .execute(&mut *tx)
+        let (subscriber, first_line) = match which {
+            Requeue::Events(ids) => return requeue_events(pool, queries, ids, now).await,
+            Requeue::Failure {
+                subscriber: None,
+                first_line,
+            } => {
+                let ids: Vec<i64> = sqlx::query_scalar(queries.dead_events_failing.clone())
+                    .bind(first_line)
+                    .fetch_all(pool)
                     .await?;
-                tx.commit().await?;
-                Ok(events + deliveries)
+                return requeue_events(pool, queries, &ids, now).await;
             }
-            Requeue::Subscriber(subscriber) => Ok(sqlx::query(queries.requeue_subscriber.clone())
-                .bind(subscriber)
-                .bind(now)
-                .execute(pool)
-                .await?
-                .rows_affected()),
-        }
+            Requeue::Subscriber(subscriber) => (subscriber, None),
+            Requeue::Failure {
+                subscriber: Some(subscriber),
+                first_line,
+            } => (subscriber, Some(first_line)),
+        };
+        Ok(sqlx::query(queries.requeue_subscriber.clone())
+            .bind(subscriber)
+            .bind(now)
+            .bind(first_line)
+            .execute(pool)
+            .await?
+            .rows_affected())
     }
+}
+
+/// Hands the dead or parked events `ids` back, with every dead delivery of them.
+async fn requeue_events(
+    pool: &SqlitePool,
+    queries: &SqliteQueries,
+    ids: &[i64],
+    now: i64,
+) -> Result<u64, sqlx::Error> {
+    let ids = json!(ids).to_string();
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+    let events = sqlx::query(queries.requeue_events.clone())
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    let deliveries = sqlx::query(queries.requeue_event_deliveries.clone())
+        .bind(&ids)
+        .bind(now)
+        .execute(&mut *tx)
+        .await?
+        .rows_affected();
+    // What waited behind them is claimed again with them, in order.
+    sqlx::query(queries.unhold_behind.clone())
+        .bind(&ids)
+        .execute(&mut *tx)
+        .await?;
+    tx.commit().await?;
+    Ok(events + deliveries)
 }
 
 /// The registry of (relay id as text, generation, routing) rows.

@@ -285,6 +285,35 @@ async fn dead_letters_are_grouped_by_failure_one_line_per_cause() {
     let table = ok(&db, &["dead-letters", "groups"]);
     assert!(table.starts_with("DEAD  SUBSCRIBER  KIND"), "{table}");
     assert_eq!(table.lines().count(), 4, "{table}");
+    // Whole first lines: what `requeue --failure` takes. One group goes back, the others stay.
+    assert!(
+        table.contains("permanent error: scripted permanent failure\n"),
+        "{table}"
+    );
+    let line = "permanent error: scripted permanent failure";
+    assert_eq!(
+        json_of(&db, &["requeue", "--subscriber", "y", "--failure", line]),
+        json!({"requeued": 50})
+    );
+    let stderr = fails(
+        Some(&db),
+        &["requeue", "--subscriber", "y", "--failure", line],
+        1,
+    );
+    assert!(
+        stderr.contains("nothing to requeue: no dead letter of `y` has the error"),
+        "{stderr}"
+    );
+    let left = json_of(&db, &["dead-letters", "groups"]);
+    let left: Vec<Value> = left
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|g| g["subscriber"].clone())
+        .collect();
+    assert_eq!(left, [Value::from("x"), Value::Null]);
+    let stderr = fails(Some(&db), &["requeue", "1", "--failure", line], 2);
+    assert!(stderr.contains("cannot be used with"), "{stderr}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -251,7 +251,23 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("give a reason"), "{body}");
     assert_eq!(outbox.dead_letters().await.unwrap().len(), 1);
-    // A skip with a reason is recorded as `outbox skip` records it.
+    // A failure group goes back as a whole: y's permanent failures (here, one).
+    let (status, body) = served.http(
+        "POST",
+        "/api/requeue",
+        Some(
+            r#"{"subscriber": "y", "first_line": "permanent error: scripted permanent failure",
+                "reason": "fixed in 1.4.2"}"#,
+        ),
+    );
+    assert_eq!(
+        (status, json(&body)["requeued"].as_u64()),
+        (200, Some(1)),
+        "{body}"
+    );
+    assert_eq!(outbox.dead_letters().await.unwrap(), []);
+    // A skip with a reason is recorded as `outbox skip` records it (of a delivery not yet
+    // delivered again).
     let (status, body) = served.http(
         "POST",
         "/api/skip",

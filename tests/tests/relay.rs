@@ -22,6 +22,7 @@ on_both_backends!(
     transient_failure_records_attempts_error_and_next_retry_then_delivers_after_the_delay,
     exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow,
     a_permanent_error_is_a_dead_letter_at_once_with_its_reason,
+    a_failure_group_is_requeued_and_nothing_else,
     settled_means_only_dead_letters_and_what_they_hold_back_are_left,
     every_state_is_listed_filtered_and_a_page_at_a_time,
     a_panicking_handler_is_a_transient_failure_not_a_crash,
@@ -512,6 +513,102 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
             skipped[0].aggregate_id
         ),
         (b1, Some("refunded by hand"), Some(b))
+    );
+}
+
+async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    // y: a and b fail alike, c otherwise (a transient failure, no retries left); x: a as y's.
+    probe.fail("y", a, 1, [Fail::Permanent]);
+    probe.fail("y", b, 1, [Fail::Permanent]);
+    probe.fail(
+        "y",
+        c,
+        1,
+        [Fail::Message("quota exceeded\nfor tenant 7".into())],
+    );
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    let config = config().with_retry(RetryPolicy::new([]).unwrap());
+    let relay = relay(&outbox, XAndY::new(&probe), config);
+    for aggregate in [a, b, c] {
+        publish_one(&outbox, aggregate, 1).await;
+    }
+    let undecodable =
+        insert_raw::<B>(outbox.pool(), "Ping", Uuid::new_v4(), r#"{"version": 1}"#).await;
+    let dead = || {
+        let outbox = outbox.clone();
+        async move {
+            let mut dead: Vec<(Option<String>, i64)> = outbox
+                .dead_letters()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|d| (d.subscriber, d.event_id))
+                .collect();
+            dead.sort();
+            dead
+        }
+    };
+    for _ in 0..10 {
+        relay.run_once().await.unwrap();
+    }
+    assert_eq!(dead().await.len(), 5, "{:?}", dead().await);
+    let groups = outbox.dead_letter_groups().await.unwrap();
+    let line_of = |subscriber: Option<&str>, kind: &str| {
+        groups
+            .iter()
+            .find(|g| g.subscriber.as_deref() == subscriber && g.kind == kind)
+            .map(|g| g.first_line.clone())
+            .unwrap_or_else(|| panic!("no {kind} group of {subscriber:?}: {groups:?}"))
+    };
+    let permanent = line_of(Some("y"), "permanent");
+    assert_eq!(
+        line_of(Some("y"), "retries exhausted"),
+        "transient error: quota exceeded"
+    );
+    let requeue = |subscriber: Option<&str>, first_line: &str| {
+        let which = Requeue::Failure {
+            subscriber: subscriber.map(str::to_owned),
+            first_line: first_line.to_owned(),
+        };
+        let outbox = outbox.clone();
+        async move { outbox.requeue(&which).await.unwrap() }
+    };
+    // y's permanent failures go back (a and b), nothing else: not x's alike, not y's other.
+    assert_eq!(requeue(Some("y"), &permanent).await, 2);
+    assert_eq!(
+        requeue(Some("y"), "permanent error: no such failure").await,
+        0
+    );
+    let ids = B::events(outbox.pool()).await;
+    let id_of = |n: usize| ids[n].id;
+    let mut left = vec![
+        (None, undecodable),
+        (Some("x".to_owned()), id_of(0)),
+        (Some("y".to_owned()), id_of(2)),
+    ];
+    left.sort();
+    assert_eq!(dead().await, left);
+    // The events that cannot be decoded, by their error.
+    let undecodable_line = line_of(None, "undecodable");
+    assert_eq!(requeue(None, &undecodable_line).await, 1);
+    left.retain(|(subscriber, _)| subscriber.is_some());
+    assert_eq!(dead().await, left);
+    // Requeued, y's two are delivered (their scripts are spent).
+    for _ in 0..10 {
+        relay.run_once().await.unwrap();
+    }
+    assert!(
+        probe.delivered_to("y").contains(&(a, 1)),
+        "{:?}",
+        probe.seen()
+    );
+    assert!(
+        probe.delivered_to("y").contains(&(b, 1)),
+        "{:?}",
+        probe.seen()
     );
 }
 

@@ -188,14 +188,25 @@ async fn the_seeds_retry_schedule_runs_on_the_manual_clock() {
     clock.advance(minutes(10 * 24 * 60));
     drain(&relay).await.unwrap();
     assert_eq!(probe.calls_of("x").len(), 7);
-    // Until an operator requeues it.
-    assert_eq!(
-        store
-            .requeue(&Requeue::Subscriber("x".into()))
-            .await
-            .unwrap(),
-        1
-    );
+    // Until an operator requeues it: its failure group (another group, or another
+    // subscriber's, is not it), or the subscriber's dead letters.
+    let error = deliveries[0].last_error.clone().unwrap();
+    let line = Requeue::first_line(Some(&error)).to_owned();
+    for (subscriber, first_line, requeued) in [
+        ("y", line.as_str(), 0),
+        ("x", "permanent error: another failure", 0),
+        ("x", line.as_str(), 1),
+    ] {
+        let failure = Requeue::Failure {
+            subscriber: Some(subscriber.to_owned()),
+            first_line: first_line.to_owned(),
+        };
+        assert_eq!(
+            store.requeue(&failure).await.unwrap(),
+            requeued,
+            "{failure:?}"
+        );
+    }
     drain(&relay).await.unwrap();
     assert_eq!(probe.delivered_to("x"), [(a, 1)]);
     assert_eq!(store.pending(), 0);

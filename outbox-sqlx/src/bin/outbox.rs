@@ -3,7 +3,7 @@
 //! ```text
 //! outbox --database-url postgres://... status
 //! outbox dead-letters list --subscriber licensing
-//! outbox requeue 42 43          # or: outbox requeue --subscriber licensing
+//! outbox requeue 42 43          # or: --subscriber licensing [--failure "<first line>"]
 //! outbox skip 42 --subscriber licensing --reason "refunded by hand"
 //! outbox purge --published-before 30d
 //! ```
@@ -119,13 +119,18 @@ enum DeadLetters {
 }
 
 #[derive(Args)]
-#[group(required = true, multiple = false)]
+#[group(required = true, multiple = true)]
 struct RequeueArgs {
     /// The dead or parked events to requeue, with every dead delivery of them
+    #[arg(conflicts_with_all = ["subscriber", "failure"])]
     ids: Vec<i64>,
-    /// Requeue every dead delivery of this subscriber
+    /// Requeue every dead delivery of this subscriber (with --failure: those of one failure)
     #[arg(long)]
     subscriber: Option<String>,
+    /// Requeue one failure group, as `dead-letters groups` prints it: the dead letters whose
+    /// error's first line is this (of --subscriber; without it, events that cannot be decoded)
+    #[arg(long, value_name = "FIRST LINE")]
+    failure: Option<String>,
 }
 
 #[derive(Args)]
@@ -411,13 +416,25 @@ async fn run<DB: Backend>(
             json,
         )),
         Command::Requeue(args) => {
-            let which = match &args.subscriber {
-                Some(subscriber) => Requeue::Subscriber(subscriber.clone()),
-                None => Requeue::Events(args.ids.clone()),
+            let which = match (&args.subscriber, &args.failure) {
+                (subscriber, Some(first_line)) => Requeue::Failure {
+                    subscriber: subscriber.clone(),
+                    first_line: first_line.clone(),
+                },
+                (Some(subscriber), None) => Requeue::Subscriber(subscriber.clone()),
+                (None, None) => Requeue::Events(args.ids.clone()),
             };
             let changed = outbox.requeue(&which).await?;
             if changed == 0 {
                 return Err(Failure::new(match &args.subscriber {
+                    _ if args.failure.is_some() => format!(
+                        "nothing to requeue: no dead letter {}has the error `{}` (`outbox \
+                         dead-letters groups` prints each group's first line)",
+                        args.subscriber
+                            .as_ref()
+                            .map_or_else(String::new, |s| format!("of `{s}` ")),
+                        args.failure.as_deref().unwrap_or_default()
+                    ),
                     Some(subscriber) => {
                         let known: Vec<String> = outbox
                             .subscribers()
@@ -698,7 +715,8 @@ fn dead_letter_groups(groups: &[DeadLetterGroup], json: bool) -> String {
                     g.subscriber.clone().unwrap_or_else(|| "(all)".to_owned()),
                     g.kind.to_owned(),
                     format!("{}..{}", g.first_event_id, g.last_event_id),
-                    shorten(&g.first_line, 60),
+                    // Whole: it is what `requeue --failure` takes.
+                    g.first_line.clone(),
                 ]
             })
             .collect::<Vec<_>>(),

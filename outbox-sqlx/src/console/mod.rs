@@ -378,6 +378,9 @@ struct RequeueBody {
     event_ids: Vec<i64>,
     /// Or every dead delivery of this subscriber.
     subscriber: Option<String>,
+    /// Or one failure group: the dead letters (of `subscriber`, or undecodable events) whose
+    /// error's first line is this.
+    first_line: Option<String>,
     reason: String,
 }
 
@@ -386,13 +389,19 @@ async fn requeue<DB: Backend>(
     Json(body): Json<RequeueBody>,
 ) -> Result<Json<Value>, Failure> {
     let reason = may_write(&state, &body.reason)?;
-    let which = match (body.subscriber, body.event_ids.is_empty()) {
-        (Some(subscriber), true) => Requeue::Subscriber(subscriber),
-        (None, false) => Requeue::Events(body.event_ids),
+    let which = match (body.subscriber, body.first_line, body.event_ids.is_empty()) {
+        (subscriber, Some(first_line), true) => Requeue::Failure {
+            subscriber,
+            first_line,
+        },
+        (Some(subscriber), None, true) => Requeue::Subscriber(subscriber),
+        (None, None, false) => Requeue::Events(body.event_ids),
         _ => {
             return Err(Failure(
                 StatusCode::BAD_REQUEST,
-                "name either event ids or a subscriber".to_owned(),
+                "name event ids, a subscriber, or a failure group (first_line, and its \
+                 subscriber if it has one)"
+                    .to_owned(),
             ));
         }
     };
