@@ -438,6 +438,16 @@ async fn an_operator_requeues_a_dead_letter_in_a_real_browser_and_it_is_delivere
         return;
     }
     let (db, outbox, probe, dead, doomed) = scenario().await;
+    // And an event that cannot be decoded: a second failure group, requeued as a group.
+    sqlx::query(
+        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, dead_at,
+                                    last_error)
+         VALUES ('probe', $1, 'Ping', '{\"version\": 1}', now(), 'cannot decode: no data')",
+    )
+    .bind(Uuid::new_v4())
+    .execute(&db.pool)
+    .await
+    .unwrap();
     let served = Served::start(&db, &["--allow-writes"]);
     await_samples(&served, 10);
     let shots = std::env::var_os("OUTBOX_SCREENSHOTS")

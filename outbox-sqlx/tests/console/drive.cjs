@@ -31,20 +31,28 @@ function check(condition, what) {
     // The overview: the status, one dead letter, what holds work back, charts with points.
     await page.goto(url);
     await page.waitForSelector("#stat-dead-letters");
-    check((await page.textContent("#stat-dead-letters")) === "1", "the status shows 1 dead letter");
+    check((await page.textContent("#stat-dead-letters")) === "2", "the status shows 2 dead letters");
     check((await page.textContent("#mode")) === "writable", "the console says it is writable");
     await page.waitForSelector('tr[data-cause="dead delivery"]');
     await page.waitForSelector('tr[data-cause="parked event"]');
-    check(true, "held back: a dead delivery and a parked event");
+    await page.waitForSelector('tr[data-cause="dead event"]');
+    check(true, "held back: a dead delivery, a parked event, a dead event");
     await page.waitForSelector('[data-chart="pending"] polyline', { state: "attached" });
     check(true, "the pending chart has points");
     await shot("overview");
 
-    // Failure groups: one line for the one failure.
+    // Failure groups: one line per failure; the undecodable event's group is requeued whole.
     await page.goto(url + "#groups");
     await page.waitForSelector("tr.group");
-    check((await page.locator("tr.group").count()) === 1, "one failure group");
+    check((await page.locator("tr.group").count()) === 2, "two failure groups");
     await shot("groups");
+    const group = page.locator("tr.group", { hasText: "cannot decode: no data" });
+    await group.locator("input.reason").fill("the decoder is fixed");
+    await group.locator("button.requeue").click();
+    await page.waitForFunction(() => document.getElementById("flash").textContent.startsWith("requeued"));
+    check((await page.textContent("#flash")).startsWith("requeued 1"), "the group requeue says it requeued 1");
+    await page.waitForFunction(() => document.querySelectorAll("tr.group").length === 1);
+    check(true, "one failure group is left");
 
     // Parked: the Pong no running build routes.
     await page.goto(url + "#parked");
