@@ -277,9 +277,11 @@ fn state_rows(d: &Dialect<'_>, state: ListState) -> String {
             delivery("d.dead_at IS NULL AND d.claim_id IS NOT NULL")
         ),
         S::Parked => event("o.dead_at IS NULL AND o.next_retry_at IS NOT NULL"),
-        S::Held => {
-            event("o.dead_at IS NULL AND (o.held_by IS NOT NULL OR o.held_behind IS NOT NULL)")
-        }
+        // (A parked event set aside behind an earlier one is listed as parked.)
+        S::Held => event(
+            "o.dead_at IS NULL AND o.next_retry_at IS NULL
+             AND (o.held_by IS NOT NULL OR o.held_behind IS NOT NULL)",
+        ),
         S::Retrying => delivery("d.dead_at IS NULL AND d.claim_id IS NULL AND d.attempts > 0"),
         S::Waiting => delivery("d.dead_at IS NULL AND d.claim_id IS NULL AND d.attempts = 0"),
         S::Dead => format!(

@@ -458,6 +458,16 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
         ],
         "{overview:?}"
     );
+    // Each event and delivery is in one state only.
+    let mut seen = std::collections::BTreeMap::new();
+    for state in ListState::ALL {
+        for row in list(ListQuery::new(state)).await {
+            if let Some(before) = seen.insert(row.clone(), state) {
+                panic!("{row:?} is both {before:?} and {state:?}");
+            }
+        }
+    }
+    assert_eq!(seen.len(), 6, "{seen:?}");
     let held = |cause| {
         let held = overview.held_back_by(cause);
         (held.blocked, held.waiting)
