@@ -209,7 +209,10 @@ async fn steps<DB: Db>(outbox: &Outbox<DB, App>, controls: &Controls) -> Result<
     service::kick_bot(outbox, BOT, LICENSE, "spam").await?;
     story::note("committed: bot row + BotKicked");
     let status = settle(outbox).await?;
-    for dead in outbox.dead_letters().await? {
+    for dead in outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await?
+    {
         story::note(&format!(
             "dead letter: {} #{} for {}: {}",
             dead.event_type,

@@ -177,12 +177,6 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     ) -> impl Future<Output = Result<Vec<crate::DeadLetterGroup>, sqlx::Error>> + Send;
 
     #[doc(hidden)]
-    fn dead_letters(
-        pool: &Pool<Self>,
-        queries: &Self::Queries,
-    ) -> impl Future<Output = Result<Vec<crate::DeadLetter>, sqlx::Error>> + Send;
-
-    #[doc(hidden)]
     fn status(
         pool: &Pool<Self>,
         queries: &Self::Queries,

@@ -92,8 +92,7 @@ pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
 };
 pub use views::{
-    DeadLetter, DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview,
-    Report,
+    DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview, Report,
 };
 
 /// Test-only hooks into the stores, for fault tests (feature `_fault-injection`; not a public

@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
-use crate::views::{DeadLetter, DeadLetterGroup, ListQuery, Listed, Overview, Report};
+use crate::views::{DeadLetterGroup, ListQuery, Listed, Overview, Report};
 use crate::wake::Wakeups;
 use outbox_core::store::{
     Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
@@ -203,12 +203,6 @@ impl<DB: Backend, R> Outbox<DB, R> {
                 return Ok(total);
             }
         }
-    }
-
-    /// The dead letters: events that can never be decoded, and subscribers' deliveries that
-    /// failed for good. Ordered by event id.
-    pub async fn dead_letters(&self) -> Result<Vec<DeadLetter>, Error> {
-        Ok(DB::dead_letters(self.pool(), self.queries()).await?)
     }
 
     /// One page of the events or deliveries in one state, filtered, in (event id, subscriber)

@@ -118,7 +118,6 @@ pub struct PgQueries {
     /// Locks the key of one delivery.
     lock_delivery_key: SqlStr,
     subscribers: SqlStr,
-    dead_letters: SqlStr,
     dead_letter_groups: SqlStr,
     /// One page of each state, in the order of `ListState::ALL`.
     list: [SqlStr; 8],
@@ -814,18 +813,6 @@ SELECT (SELECT count(*) FROM deleted),
                 "SELECT count(*) FROM {outbox} WHERE published_at > now() - $1 * interval '1 second'"
             )),
             dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
-            dead_letters: sql(format!(
-                r#"
-SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type, o.aggregate_id,
-       o.retry_count AS attempts, o.last_error
-FROM {outbox} AS o WHERE o.dead_at IS NOT NULL
-UNION ALL
-SELECT d.event_id, d.subscriber, o.event_type, o.aggregate_type, o.aggregate_id, d.attempts,
-       d.last_error
-FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id
-WHERE d.dead_at IS NOT NULL
-ORDER BY event_id, subscriber"#
-            )),
             status: sql(format!(
                 r#"
 -- Each count reads its own partial index (the conditions are those of the indexes): the
@@ -1326,28 +1313,6 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .await?
             .iter()
             .map(dead_letter_group)
-            .collect()
-    }
-
-    async fn dead_letters(
-        pool: &PgPool,
-        queries: &PgQueries,
-    ) -> Result<Vec<crate::DeadLetter>, sqlx::Error> {
-        sqlx::query(queries.dead_letters.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| {
-                Ok(crate::DeadLetter {
-                    event_id: row.try_get("event_id")?,
-                    subscriber: row.try_get("subscriber")?,
-                    event_type: row.try_get("event_type")?,
-                    aggregate_type: row.try_get("aggregate_type")?,
-                    aggregate_id: row.try_get("aggregate_id")?,
-                    attempts: u32::try_from(row.try_get::<i32, _>("attempts")?).unwrap_or(0),
-                    last_error: row.try_get("last_error")?,
-                })
-            })
             .collect()
     }
 

@@ -9,27 +9,6 @@ use uuid::Uuid;
 use crate::Outbox;
 use crate::SubscriberStatus;
 
-/// A dead letter: it waits for an operator to fix its cause and [requeue](Outbox::requeue) it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct DeadLetter {
-    /// The event.
-    pub event_id: i64,
-    /// The subscriber whose delivery failed for good; `None` when the event itself cannot be
-    /// decoded, for every subscriber.
-    pub subscriber: Option<String>,
-    /// The event type.
-    pub event_type: String,
-    /// The aggregate type.
-    pub aggregate_type: String,
-    /// The aggregate.
-    pub aggregate_id: Uuid,
-    /// Failed attempts (for an event: times parked before it died).
-    pub attempts: u32,
-    /// Why.
-    pub last_error: Option<String>,
-}
-
 /// A state an event or a delivery can be in, for [`Outbox::list`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ListState {

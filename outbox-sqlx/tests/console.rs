@@ -29,7 +29,10 @@ async fn scenario() -> (TestDb, Outbox<Postgres, PingPong>, Probe, i64, Uuid) {
     let doomed = publish_for_operators(&outbox, &probe).await;
     let relay = relay(&outbox, &probe);
     run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     (db, outbox, probe, dead[0].event_id, doomed)
 }
@@ -222,7 +225,10 @@ async fn a_read_only_console_shows_everything_and_changes_nothing() {
             "{answer}"
         );
     }
-    let still = outbox.dead_letters().await.unwrap();
+    let still = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(still.len(), 1, "{still:?}");
     assert_eq!(
         outbox
@@ -250,7 +256,14 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
     );
     assert_eq!(status, 400, "{body}");
     assert!(body.contains("give a reason"), "{body}");
-    assert_eq!(outbox.dead_letters().await.unwrap().len(), 1);
+    assert_eq!(
+        outbox
+            .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+            .await
+            .unwrap()
+            .len(),
+        1
+    );
     // A failure group goes back as a whole: y's permanent failures (here, one).
     let (status, body) = served.http(
         "POST",
@@ -265,7 +278,13 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
         (200, Some(1)),
         "{body}"
     );
-    assert_eq!(outbox.dead_letters().await.unwrap(), []);
+    assert_eq!(
+        outbox
+            .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+            .await
+            .unwrap(),
+        []
+    );
     // A skip with a reason is recorded as `outbox skip` records it (of a delivery not yet
     // delivered again).
     let (status, body) = served.http(
@@ -475,7 +494,14 @@ async fn an_operator_requeues_a_dead_letter_in_a_real_browser_and_it_is_delivere
         assert!(shots.join(format!("{page}.png")).exists(), "{page}: {log}");
     }
     // Requeued in the browser: no dead letter left, and the relay delivers it.
-    assert_eq!(outbox.dead_letters().await.unwrap(), [], "{log}");
+    assert_eq!(
+        outbox
+            .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+            .await
+            .unwrap(),
+        [],
+        "{log}"
+    );
     let relay = relay(&outbox, &probe);
     run_until(&relay, WAIT, || {
         probe.delivered_to("y").contains(&(doomed, 1))

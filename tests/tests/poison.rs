@@ -216,7 +216,10 @@ async fn a_row_that_cannot_be_read_is_one_dead_letter<B: TestBackend>() {
     B::break_occurred_at(outbox.pool(), id).await;
     publish(&outbox, &noted(note, "second")).await;
     others_are_delivered(&outbox, &relay, &handled).await;
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(
         (dead[0].event_id, dead[0].subscriber.as_deref()),
@@ -265,12 +268,20 @@ async fn a_delivery_whose_row_cannot_be_read_is_one_dead_letter<B: TestBackend>(
     })
     .await;
     let deadline = tokio::time::Instant::now() + WAIT;
-    while outbox.dead_letters().await.unwrap().is_empty() {
+    while outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap()
+        .is_empty()
+    {
         assert!(tokio::time::Instant::now() < deadline, "no dead letter");
         relay.run_once().await.unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(
         (dead[0].event_id, dead[0].subscriber.as_deref()),
@@ -293,7 +304,10 @@ async fn a_panicking_deserialize_is_one_dead_letter<B: TestBackend>() {
     publish(&outbox, &Fragile { note, value: 13 }).await;
     publish(&outbox, &Fragile { note, value: 14 }).await;
     others_are_delivered(&outbox, &relay, &handled).await;
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     let reason = dead[0].last_error.clone().unwrap();
     assert_eq!(
@@ -316,7 +330,10 @@ async fn a_panicking_upcaster_is_one_dead_letter<B: TestBackend>() {
     )
     .await;
     others_are_delivered(&outbox, &relay, &handled).await;
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))
+        .await
+        .unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     assert_eq!(dead[0].event_id, id);
     assert_eq!(

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use outbox_core::store::Requeue;
 use outbox_core::{Relay, RelayConfig, RetryPolicy, Router, Store};
-use outbox_sqlx::{Outbox, SqlStore};
+use outbox_sqlx::{ListQuery, ListState, Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
     Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until, wait_for,
@@ -337,7 +337,7 @@ async fn settled_means_only_dead_letters_and_what_they_hold_back_are_left<B: Tes
 }
 
 async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
-    use outbox_sqlx::{HoldCause, ListQuery, ListState};
+    use outbox_sqlx::HoldCause;
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
     let (a, b, c, d) = (
@@ -551,7 +551,7 @@ async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
         let outbox = outbox.clone();
         async move {
             let mut dead: Vec<(Option<String>, i64)> = outbox
-                .dead_letters()
+                .list(&ListQuery::new(ListState::Dead))
                 .await
                 .unwrap()
                 .into_iter()
@@ -638,7 +638,7 @@ async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBacke
         Some("permanent error: scripted permanent failure")
     );
     assert_eq!(probe.delivered_to("y"), [(a, 1)]);
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox.list(&ListQuery::new(ListState::Dead)).await.unwrap();
     assert_eq!(dead.len(), 1);
     assert_eq!(
         (
@@ -649,7 +649,7 @@ async fn a_permanent_error_is_a_dead_letter_at_once_with_its_reason<B: TestBacke
         (id, Some("x"), "Ping")
     );
     assert_eq!(dead[0].attempts, 1);
-    assert_eq!(dead[0].aggregate_id, a);
+    assert_eq!(dead[0].aggregate_id, Some(a));
     assert_eq!(
         dead[0].last_error.as_deref(),
         Some("permanent error: scripted permanent failure")
@@ -717,7 +717,7 @@ async fn undecodable_payloads_become_dead_letters_and_the_relay_keeps_running<B:
             .starts_with("payload is not an outbox envelope: missing field `version`")
     );
     assert!(probe.seen().iter().all(|s| s.aggregate == good));
-    let dead = outbox.dead_letters().await.unwrap();
+    let dead = outbox.list(&ListQuery::new(ListState::Dead)).await.unwrap();
     let ids: Vec<(i64, Option<String>)> = dead
         .iter()
         .map(|d| (d.event_id, d.subscriber.clone()))
