@@ -152,6 +152,28 @@ impl ListQuery {
         self.limit = limit.max(1);
         self
     }
+
+    /// The rows after the page key `key`, as [`Listed::page_key`] writes it: `1042`, or
+    /// `1042/licensing` after a delivery.
+    ///
+    /// ```
+    /// use outbox_sqlx::{ListQuery, ListState};
+    ///
+    /// let next = ListQuery::new(ListState::Dead).after_key("1042/licensing").unwrap();
+    /// assert_eq!(next, ListQuery::new(ListState::Dead).after(1042, Some("licensing")));
+    /// assert!(ListQuery::new(ListState::Dead).after_key("licensing").is_err());
+    /// ```
+    pub fn after_key(self, key: &str) -> Result<Self, String> {
+        let (id, subscriber) = match key.split_once('/') {
+            Some((id, subscriber)) => (id, Some(subscriber)),
+            None => (key, None),
+        };
+        let id = id
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{key}`: expected an event id, or `<event id>/<subscriber>`"))?;
+        Ok(self.after(id, subscriber))
+    }
 }
 
 /// One row of [`Outbox::list`]: an event, or one subscriber's delivery of it.
@@ -180,6 +202,17 @@ pub struct Listed {
     /// The event's stored payload, the envelope as JSON text (`None` for a skipped event
     /// retention has deleted since).
     pub payload: Option<String>,
+}
+
+impl Listed {
+    /// Where the page after this row starts, for [`ListQuery::after_key`]: `1042`, or
+    /// `1042/licensing` for a delivery.
+    pub fn page_key(&self) -> String {
+        match &self.subscriber {
+            Some(subscriber) => format!("{}/{subscriber}", self.event_id),
+            None => self.event_id.to_string(),
+        }
+    }
 }
 
 /// Dead letters that failed alike: one subscriber, one first line of the last error. One bad

@@ -372,7 +372,7 @@ async fn a_hundred_thousand_dead_letters_are_listed_a_page_at_a_time() {
     );
     let stderr = fails(Some(&db), &["list", "--state", "dead", "--after", "x/y"], 2);
     assert!(
-        stderr.contains("invalid value 'x/y' for '--after <AFTER>': expected an event id"),
+        stderr.contains("invalid value 'x/y' for '--after <AFTER>': `x/y`: expected an event id"),
         "{stderr}"
     );
 }

@@ -156,7 +156,7 @@ struct PageArgs {
     /// Start after this row: `<event id>` or `<event id>/<subscriber>`, as the previous page
     /// says
     #[arg(long, value_parser = parse_after)]
-    after: Option<(i64, Option<String>)>,
+    after: Option<String>,
     /// Rows per page
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000))]
     limit: u32,
@@ -167,15 +167,10 @@ fn parse_state(name: &str) -> Result<ListState, String> {
 }
 
 /// `1042` or `1042/licensing`.
-fn parse_after(after: &str) -> Result<(i64, Option<String>), String> {
-    let (id, subscriber) = match after.split_once('/') {
-        Some((id, subscriber)) => (id, Some(subscriber.to_owned())),
-        None => (after, None),
-    };
-    let id = id
-        .parse()
-        .map_err(|_| "expected an event id, or `<event id>/<subscriber>`".to_owned())?;
-    Ok((id, subscriber))
+fn parse_after(after: &str) -> Result<String, String> {
+    ListQuery::new(ListState::Dead)
+        .after_key(after)
+        .map(|_| after.to_owned())
 }
 
 #[derive(Args)]
@@ -522,8 +517,8 @@ async fn list<DB: Backend>(
     if let Some(aggregate) = page.aggregate {
         query = query.aggregate(aggregate);
     }
-    if let Some((id, subscriber)) = &page.after {
-        query = query.after(*id, subscriber.as_deref());
+    if let Some(after) = &page.after {
+        query = query.after_key(after).map_err(Failure::usage)?;
     }
     let rows = outbox.list(&query).await?;
     let full = rows.len() == usize::try_from(page.limit).unwrap_or(usize::MAX);
@@ -689,11 +684,7 @@ fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
             .collect::<Vec<_>>(),
     );
     if let (true, Some(last)) = (full, rows.last()) {
-        let after = match &last.subscriber {
-            Some(subscriber) => format!("{}/{subscriber}", last.event_id),
-            None => last.event_id.to_string(),
-        };
-        out.push_str(&format!("more: --after {after}\n"));
+        out.push_str(&format!("more: --after {}\n", last.page_key()));
     }
     out
 }

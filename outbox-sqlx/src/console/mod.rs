@@ -317,34 +317,19 @@ async fn list<DB: Backend>(
         query = query.aggregate(id);
     }
     if let Some(after) = params.after.filter(|s| !s.is_empty()) {
-        let (id, subscriber) = match after.split_once('/') {
-            Some((id, subscriber)) => (id, Some(subscriber)),
-            None => (after.as_str(), None),
-        };
-        let id = id.parse().map_err(|_| {
-            bad(format!(
-                "after `{after}`: expected an event id, or `<event id>/<subscriber>`"
-            ))
-        })?;
-        query = query.after(id, subscriber);
+        query = query
+            .after_key(&after)
+            .map_err(|error| bad(format!("after {error}")))?;
     }
     let rows = state.outbox.list(&query).await?;
     let next = (rows.len() == usize::try_from(limit).unwrap_or(usize::MAX))
-        .then(|| rows.last().map(page_key))
+        .then(|| rows.last().map(Listed::page_key))
         .flatten();
     Ok(Json(json!({
         "state": list_state.as_str(),
         "rows": rows,
         "next": next,
     })))
-}
-
-/// Where the next page starts, after `row`.
-fn page_key(row: &Listed) -> String {
-    match &row.subscriber {
-        Some(subscriber) => format!("{}/{subscriber}", row.event_id),
-        None => row.event_id.to_string(),
-    }
 }
 
 async fn groups<DB: Backend>(
