@@ -218,12 +218,57 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         closed: tokio::sync::watch::Receiver<bool>,
     ) -> impl Future<Output = ()> + Send + 'static;
 
+    /// Hands the dead or parked events `ids` back, with every dead delivery of them; returns
+    /// the rows changed.
     #[doc(hidden)]
-    fn requeue(
+    fn requeue_events(
         pool: &Pool<Self>,
         queries: &Self::Queries,
-        which: &Requeue,
+        ids: &[i64],
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// Hands `subscriber`'s dead deliveries back (only those whose error's first line is
+    /// `first_line`, when given); returns how many.
+    #[doc(hidden)]
+    fn requeue_deliveries(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        subscriber: &str,
+        first_line: Option<&str>,
+    ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
+
+    /// The dead events whose error's first line is `first_line`.
+    #[doc(hidden)]
+    fn dead_events_failing(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        first_line: &str,
+    ) -> impl Future<Output = Result<Vec<i64>, sqlx::Error>> + Send;
+}
+
+/// Hands back what `which` names, on any backend.
+pub(crate) async fn requeue<DB: Backend>(
+    pool: &Pool<DB>,
+    queries: &DB::Queries,
+    which: &Requeue,
+) -> Result<u64, sqlx::Error> {
+    match which {
+        Requeue::Events(ids) => DB::requeue_events(pool, queries, ids).await,
+        Requeue::Subscriber(subscriber) => {
+            DB::requeue_deliveries(pool, queries, subscriber, None).await
+        }
+        Requeue::Failure {
+            subscriber: Some(subscriber),
+            first_line,
+        } => DB::requeue_deliveries(pool, queries, subscriber, Some(first_line)).await,
+        Requeue::Failure {
+            subscriber: None,
+            first_line,
+        } => {
+            let ids = DB::dead_events_failing(pool, queries, first_line).await?;
+            DB::requeue_events(pool, queries, &ids).await
+        }
+    }
 }
 
 /// A registry of (relay, generation, routing) rows: its version is the ordered generations.

@@ -248,7 +248,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
-        Ok(DB::requeue(self.pool(), self.queries(), which).await?)
+        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which).await?)
     }
 
     /// Fences a handler's writes: locks the claim `token` (the one a delivery runs under,
@@ -584,7 +584,7 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        DB::requeue(&self.inner.pool, &self.inner.queries, which)
+        crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which)
             .await
             .map_err(store_error)
     }

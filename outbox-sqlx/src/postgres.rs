@@ -5,7 +5,7 @@ use std::time::Duration;
 use outbox_core::StoredEvent;
 use outbox_core::store::{
     Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    Recorded, Registry, Requeue, Status,
+    Recorded, Registry, Status,
 };
 use std::sync::Weak;
 
@@ -1410,29 +1410,27 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         own_pool.close().await;
     }
 
-    async fn requeue(
+    async fn requeue_events(
         pool: &PgPool,
         queries: &PgQueries,
-        which: &Requeue,
+        ids: &[i64],
     ) -> Result<u64, sqlx::Error> {
-        let (subscriber, first_line) = match which {
-            Requeue::Events(ids) => return requeue_events(pool, queries, ids).await,
-            Requeue::Failure {
-                subscriber: None,
-                first_line,
-            } => {
-                let ids: Vec<i64> = sqlx::query_scalar(queries.dead_events_failing.clone())
-                    .bind(first_line)
-                    .fetch_all(pool)
-                    .await?;
-                return requeue_events(pool, queries, &ids).await;
-            }
-            Requeue::Subscriber(subscriber) => (subscriber, None),
-            Requeue::Failure {
-                subscriber: Some(subscriber),
-                first_line,
-            } => (subscriber, Some(first_line)),
-        };
+        // Under the claim lock, as `skip`.
+        let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
+        let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
+            .bind(ids)
+            .fetch_one(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(u64::try_from(changed).unwrap_or(0))
+    }
+
+    async fn requeue_deliveries(
+        pool: &PgPool,
+        queries: &PgQueries,
+        subscriber: &str,
+        first_line: Option<&str>,
+    ) -> Result<u64, sqlx::Error> {
         Ok(sqlx::query(queries.requeue_subscriber.clone())
             .bind(subscriber)
             .bind(first_line)
@@ -1440,22 +1438,17 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .await?
             .rows_affected())
     }
-}
 
-/// Hands the dead or parked events `ids` back, with every dead delivery of them.
-async fn requeue_events(
-    pool: &PgPool,
-    queries: &PgQueries,
-    ids: &[i64],
-) -> Result<u64, sqlx::Error> {
-    // Under the claim lock, as `skip`.
-    let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
-    let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
-        .bind(ids)
-        .fetch_one(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(u64::try_from(changed).unwrap_or(0))
+    async fn dead_events_failing(
+        pool: &PgPool,
+        queries: &PgQueries,
+        first_line: &str,
+    ) -> Result<Vec<i64>, sqlx::Error> {
+        sqlx::query_scalar(queries.dead_events_failing.clone())
+            .bind(first_line)
+            .fetch_all(pool)
+            .await
+    }
 }
 
 /// Passes notifications on `channel`, except those marked `own`, to `wake` until `wake` is gone

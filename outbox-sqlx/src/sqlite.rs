@@ -12,7 +12,7 @@ use std::time::Duration;
 use outbox_core::StoredEvent;
 use outbox_core::store::{
     Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    Recorded, Registry, Requeue, Status,
+    Recorded, Registry, Status,
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
@@ -1217,67 +1217,59 @@ LIMIT $4"#
     ) {
     }
 
-    async fn requeue(
+    async fn requeue_events(
         pool: &SqlitePool,
         queries: &SqliteQueries,
-        which: &Requeue,
+        ids: &[i64],
     ) -> Result<u64, sqlx::Error> {
         let now = now();
-        let (subscriber, first_line) = match which {
-            Requeue::Events(ids) => return requeue_events(pool, queries, ids, now).await,
-            Requeue::Failure {
-                subscriber: None,
-                first_line,
-            } => {
-                let ids: Vec<i64> = sqlx::query_scalar(queries.dead_events_failing.clone())
-                    .bind(first_line)
-                    .fetch_all(pool)
-                    .await?;
-                return requeue_events(pool, queries, &ids, now).await;
-            }
-            Requeue::Subscriber(subscriber) => (subscriber, None),
-            Requeue::Failure {
-                subscriber: Some(subscriber),
-                first_line,
-            } => (subscriber, Some(first_line)),
-        };
+        let ids = json!(ids).to_string();
+        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+        let events = sqlx::query(queries.requeue_events.clone())
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        let deliveries = sqlx::query(queries.requeue_event_deliveries.clone())
+            .bind(&ids)
+            .bind(now)
+            .execute(&mut *tx)
+            .await?
+            .rows_affected();
+        // What waited behind them is claimed again with them, in order.
+        sqlx::query(queries.unhold_behind.clone())
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        Ok(events + deliveries)
+    }
+
+    async fn requeue_deliveries(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        subscriber: &str,
+        first_line: Option<&str>,
+    ) -> Result<u64, sqlx::Error> {
         Ok(sqlx::query(queries.requeue_subscriber.clone())
             .bind(subscriber)
-            .bind(now)
+            .bind(now())
             .bind(first_line)
             .execute(pool)
             .await?
             .rows_affected())
     }
-}
 
-/// Hands the dead or parked events `ids` back, with every dead delivery of them.
-async fn requeue_events(
-    pool: &SqlitePool,
-    queries: &SqliteQueries,
-    ids: &[i64],
-    now: i64,
-) -> Result<u64, sqlx::Error> {
-    let ids = json!(ids).to_string();
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-    let events = sqlx::query(queries.requeue_events.clone())
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    let deliveries = sqlx::query(queries.requeue_event_deliveries.clone())
-        .bind(&ids)
-        .bind(now)
-        .execute(&mut *tx)
-        .await?
-        .rows_affected();
-    // What waited behind them is claimed again with them, in order.
-    sqlx::query(queries.unhold_behind.clone())
-        .bind(&ids)
-        .execute(&mut *tx)
-        .await?;
-    tx.commit().await?;
-    Ok(events + deliveries)
+    async fn dead_events_failing(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        first_line: &str,
+    ) -> Result<Vec<i64>, sqlx::Error> {
+        sqlx::query_scalar(queries.dead_events_failing.clone())
+            .bind(first_line)
+            .fetch_all(pool)
+            .await
+    }
 }
 
 /// The registry of (relay id as text, generation, routing) rows.
