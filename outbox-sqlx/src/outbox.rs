@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::inbox::Received;
 use crate::names::TableNames;
 use crate::tx::OutboxTx;
-use crate::views::{DeadLetterGroup, ListQuery, Listed, Overview, Report};
+use crate::views::{DeadLetterGroup, ListQuery, Listed, Overview, Page, Report};
 use crate::wake::Wakeups;
 use outbox_core::store::{
     Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
@@ -209,6 +209,19 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// order: paginated in SQL, so listing 100 000 dead letters holds one page at a time.
     pub async fn list(&self, query: &ListQuery) -> Result<Vec<Listed>, Error> {
         Ok(DB::list(self.pool(), self.queries(), query).await?)
+    }
+
+    /// One page of [`list`](Self::list), and where the next one starts if there are more rows
+    /// (one more row is read to know): what the tool and the console page through.
+    pub async fn list_page(&self, query: &ListQuery) -> Result<Page, Error> {
+        let limit = query.limit;
+        let mut rows = self
+            .list(&query.clone().limit(limit.saturating_add(1)))
+            .await?;
+        let more = rows.len() > usize::try_from(limit).unwrap_or(usize::MAX);
+        rows.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
+        let next = rows.last().filter(|_| more).map(Listed::page_key);
+        Ok(Page { rows, next })
     }
 
     /// How many events and deliveries are in each [`ListState`](crate::ListState), and what holds work back,

@@ -215,6 +215,17 @@ impl Listed {
     }
 }
 
+/// One page of [`Outbox::list_page`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[cfg_attr(feature = "serde", derive(serde::Serialize))]
+#[non_exhaustive]
+pub struct Page {
+    /// The rows, at most the query's limit.
+    pub rows: Vec<Listed>,
+    /// The key of the next page ([`ListQuery::after_key`]) when more rows follow.
+    pub next: Option<String>,
+}
+
 /// Dead letters that failed alike: one subscriber, one first line of the last error. One bad
 /// deploy is one group, not ten thousand rows.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -504,6 +504,26 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
         list(ListQuery::new(ListState::Dead).limit(1).after(c1, None)).await,
         []
     );
+    // Pages that say whether more follow (one row more is read to know).
+    let page = outbox
+        .list_page(&ListQuery::new(ListState::Dead).limit(1))
+        .await
+        .unwrap();
+    let b1_of_y = format!("{b1}/y");
+    assert_eq!(
+        (page.rows[0].event_id, page.next.as_deref()),
+        (b1, Some(b1_of_y.as_str()))
+    );
+    let last = outbox
+        .list_page(
+            &ListQuery::new(ListState::Dead)
+                .limit(1)
+                .after_key(&b1_of_y)
+                .unwrap(),
+        )
+        .await
+        .unwrap();
+    assert_eq!((last.rows[0].event_id, last.next), (c1, None));
     // Skipped, with the reason.
     assert!(
         outbox

@@ -335,6 +335,20 @@ async fn serve<DB: Backend>(outbox: &Outbox<DB, ()>, args: &ServeArgs) -> Result
     } else {
         "read-only"
     };
+    // Ctrl-C stops it: listened for before the address is printed, so that a script that reads
+    // the address and then interrupts is never early.
+    #[cfg(unix)]
+    let shutdown = {
+        let mut interrupt =
+            tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+        async move {
+            interrupt.recv().await;
+        }
+    };
+    #[cfg(not(unix))]
+    let shutdown = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
     // Printed at once (not when the command ends), so that a script can read the address.
     let mut stdout = std::io::stdout();
     writeln!(
@@ -346,9 +360,7 @@ async fn serve<DB: Backend>(outbox: &Outbox<DB, ()>, args: &ServeArgs) -> Result
         .writable(args.allow_writes)
         .local_only(!args.allow_remote)
         .sample_every(args.sample_every)
-        .serve(listener, async {
-            let _ = tokio::signal::ctrl_c().await;
-        })
+        .serve(listener, shutdown)
         .await?;
     Ok(String::new())
 }
@@ -520,9 +532,8 @@ async fn list<DB: Backend>(
     if let Some(after) = &page.after {
         query = query.after_key(after).map_err(Failure::usage)?;
     }
-    let rows = outbox.list(&query).await?;
-    let full = rows.len() == usize::try_from(page.limit).unwrap_or(usize::MAX);
-    Ok(listed(&rows, state, full, json))
+    let page = outbox.list_page(&query).await?;
+    Ok(listed(&page.rows, state, page.next.as_deref(), json))
 }
 
 fn say(json: bool, value: &Value, text: &str) -> String {
@@ -642,7 +653,7 @@ async fn status<DB: Backend>(outbox: &Outbox<DB, ()>, json: bool) -> Result<Stri
     Ok(out)
 }
 
-fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
+fn listed(rows: &[Listed], state: ListState, next: Option<&str>, json: bool) -> String {
     if json {
         return format!("{}\n", serde_json::to_string(rows).unwrap_or_default());
     }
@@ -683,8 +694,8 @@ fn listed(rows: &[Listed], state: ListState, full: bool, json: bool) -> String {
             })
             .collect::<Vec<_>>(),
     );
-    if let (true, Some(last)) = (full, rows.last()) {
-        out.push_str(&format!("more: --after {}\n", last.page_key()));
+    if let Some(next) = next {
+        out.push_str(&format!("more: --after {next}\n"));
     }
     out
 }

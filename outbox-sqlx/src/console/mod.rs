@@ -45,7 +45,7 @@ use serde_json::{Value, json};
 use tokio::net::TcpListener;
 use uuid::Uuid;
 
-use crate::{Backend, DeadLetterGroup, ListQuery, ListState, Listed, Outbox, Requeue};
+use crate::{Backend, DeadLetterGroup, ListQuery, ListState, Outbox, Requeue};
 
 /// The page: HTML, CSS and script in one file, nothing fetched from elsewhere.
 const PAGE: &str = include_str!("page.html");
@@ -321,14 +321,11 @@ async fn list<DB: Backend>(
             .after_key(&after)
             .map_err(|error| bad(format!("after {error}")))?;
     }
-    let rows = state.outbox.list(&query).await?;
-    let next = (rows.len() == usize::try_from(limit).unwrap_or(usize::MAX))
-        .then(|| rows.last().map(Listed::page_key))
-        .flatten();
+    let page = state.outbox.list_page(&query).await?;
     Ok(Json(json!({
         "state": list_state.as_str(),
-        "rows": rows,
-        "next": next,
+        "rows": page.rows,
+        "next": page.next,
     })))
 }
 

@@ -41,6 +41,22 @@ function check(condition, what) {
     check(true, "the pending chart has points");
     await shot("overview");
 
+    // Any state a page at a time: two dead letters, one per page, there and back.
+    await page.goto(url + "#browse?state=dead&limit=1");
+    const first = await page.locator("tr.row").getAttribute("data-event");
+    await page.click("button.next");
+    await page.waitForFunction((id) => {
+      const rows = document.querySelectorAll("tr.row");
+      return rows.length === 1 && rows[0].dataset.event !== id;
+    }, first);
+    check(!(await page.locator("button.next").count()), "the second page is the last");
+    await page.click("button.previous");
+    await page.waitForFunction((id) => {
+      const rows = document.querySelectorAll("tr.row");
+      return rows.length === 1 && rows[0].dataset.event === id;
+    }, first);
+    check(true, "a page at a time, there and back");
+
     // Failure groups: one line per failure; the undecodable event's group is requeued whole.
     await page.goto(url + "#groups");
     await page.waitForSelector("tr.group");
