@@ -218,11 +218,19 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         closed: tokio::sync::watch::Receiver<bool>,
     ) -> impl Future<Output = ()> + Send + 'static;
 
+    /// Begins a transaction under the claim lock, for a requeue: no claim may set events aside
+    /// behind what it hands back, on an older snapshot, meanwhile.
+    #[doc(hidden)]
+    fn begin_locked(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+    ) -> impl Future<Output = Result<sqlx::Transaction<'static, Self>, sqlx::Error>> + Send;
+
     /// Hands the dead or parked events `ids` back, with every dead delivery of them; returns
     /// the rows changed.
     #[doc(hidden)]
     fn requeue_events(
-        pool: &Pool<Self>,
+        conn: &mut Self::Connection,
         queries: &Self::Queries,
         ids: &[i64],
     ) -> impl Future<Output = Result<u64, sqlx::Error>> + Send;
@@ -231,7 +239,7 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     /// `first_line`, when given); returns how many.
     #[doc(hidden)]
     fn requeue_deliveries(
-        pool: &Pool<Self>,
+        conn: &mut Self::Connection,
         queries: &Self::Queries,
         subscriber: &str,
         first_line: Option<&str>,
@@ -240,35 +248,87 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     /// The dead events whose error's first line is `first_line`.
     #[doc(hidden)]
     fn dead_events_failing(
-        pool: &Pool<Self>,
+        conn: &mut Self::Connection,
         queries: &Self::Queries,
         first_line: &str,
     ) -> impl Future<Output = Result<Vec<i64>, sqlx::Error>> + Send;
+
+    /// Records a requeue made with a reason in `<table>_requeues`.
+    #[doc(hidden)]
+    fn record_requeue(
+        conn: &mut Self::Connection,
+        queries: &Self::Queries,
+        named: &Named<'_>,
+        requeued: u64,
+        reason: &str,
+    ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 }
 
-/// Hands back what `which` names, on any backend.
+/// What a requeue named, as `<table>_requeues` records it.
+#[doc(hidden)]
+#[derive(Debug, Default)]
+pub struct Named<'a> {
+    pub(crate) event_ids: Option<&'a [i64]>,
+    pub(crate) subscriber: Option<&'a str>,
+    pub(crate) first_line: Option<&'a str>,
+}
+
+/// Hands back what `which` names, in one transaction under the claim lock, on any backend;
+/// with a reason, records it (when anything went back) in the same transaction.
 pub(crate) async fn requeue<DB: Backend>(
     pool: &Pool<DB>,
     queries: &DB::Queries,
     which: &Requeue,
+    reason: Option<&str>,
 ) -> Result<u64, sqlx::Error> {
-    match which {
-        Requeue::Events(ids) => DB::requeue_events(pool, queries, ids).await,
-        Requeue::Subscriber(subscriber) => {
-            DB::requeue_deliveries(pool, queries, subscriber, None).await
-        }
+    let mut tx = DB::begin_locked(pool, queries).await?;
+    let failing;
+    let (requeued, named) = match which {
+        Requeue::Events(ids) => (
+            DB::requeue_events(&mut tx, queries, ids).await?,
+            Named {
+                event_ids: Some(ids),
+                ..Named::default()
+            },
+        ),
+        Requeue::Subscriber(subscriber) => (
+            DB::requeue_deliveries(&mut tx, queries, subscriber, None).await?,
+            Named {
+                subscriber: Some(subscriber),
+                ..Named::default()
+            },
+        ),
         Requeue::Failure {
             subscriber: Some(subscriber),
             first_line,
-        } => DB::requeue_deliveries(pool, queries, subscriber, Some(first_line)).await,
+        } => (
+            DB::requeue_deliveries(&mut tx, queries, subscriber, Some(first_line)).await?,
+            Named {
+                subscriber: Some(subscriber),
+                first_line: Some(first_line),
+                ..Named::default()
+            },
+        ),
         Requeue::Failure {
             subscriber: None,
             first_line,
         } => {
-            let ids = DB::dead_events_failing(pool, queries, first_line).await?;
-            DB::requeue_events(pool, queries, &ids).await
+            failing = DB::dead_events_failing(&mut tx, queries, first_line).await?;
+            (
+                DB::requeue_events(&mut tx, queries, &failing).await?,
+                Named {
+                    event_ids: Some(&failing),
+                    first_line: Some(first_line),
+                    ..Named::default()
+                },
+            )
         }
+    };
+    if let Some(reason) = reason.filter(|_| requeued > 0) {
+        DB::record_requeue(&mut tx, queries, &named, requeued, reason).await?;
     }
+    tx.commit().await?;
+    Ok(requeued)
 }
 
 /// A registry of (relay, generation, routing) rows: its version is the ordered generations.

@@ -107,7 +107,8 @@ impl TableNames {
             .replace("{schema}", &self.quoted_schema())
             .replace("{skips}", &table("_skips"))
             .replace("{inbox}", &table("_inbox"))
-            .replace("{relays}", &table("_relays"));
+            .replace("{relays}", &table("_relays"))
+            .replace("{requeues}", &table("_requeues"));
         for index in INDEXES {
             text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
         }

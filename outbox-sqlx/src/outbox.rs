@@ -259,9 +259,16 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(status_of::<DB>(self.pool(), self.queries()).await?)
     }
 
+    /// [`requeue`](Self::requeue), recorded with `reason` in the `<table>_requeues` table (what
+    /// was named, how many rows went back, why) in the same transaction, when anything went
+    /// back: what operators use (`outbox requeue --reason`, the console).
+    pub async fn requeue_because(&self, which: &Requeue, reason: &str) -> Result<u64, Error> {
+        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, Some(reason)).await?)
+    }
+
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
-        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which).await?)
+        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, None).await?)
     }
 
     /// Fences a handler's writes: locks the claim `token` (the one a delivery runs under,
@@ -597,7 +604,7 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which)
+        crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which, None)
             .await
             .map_err(store_error)
     }

@@ -10,13 +10,13 @@ use outbox_core::store::{
 use std::sync::Weak;
 
 use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
-use sqlx::{Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr};
+use sqlx::{Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr, Transaction};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
+    Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
     apply_migrations, registry_of, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
@@ -75,6 +75,11 @@ const MIGRATIONS: &[Migration] = &[
         "a registry of live relays and what their builds route",
         include_str!("../migrations/postgres/0009_a_registry_of_live_relays.sql"),
     ),
+    (
+        10,
+        "a record of requeues made with a reason",
+        include_str!("../migrations/postgres/0010_a_record_of_requeues.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -109,6 +114,7 @@ pub struct PgQueries {
     requeue_subscriber: SqlStr,
     /// The dead events whose error's first line is $1.
     dead_events_failing: SqlStr,
+    record_requeue: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
     /// Begins a record that writes deliveries (see `lock_keys`).
@@ -180,6 +186,7 @@ impl Backend for Postgres {
         let skips = names.qualified("_skips");
         let inbox = names.qualified("_inbox");
         let relays = names.qualified("_relays");
+        let requeues = names.qualified("_requeues");
         let dialect = Dialect {
             outbox: &outbox,
             deliveries: &deliveries,
@@ -906,6 +913,10 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
   AND ($2::text IS NULL OR {line} = $2::text)"#,
                 line = first_line("last_error")
             )),
+            record_requeue: sql(format!(
+                "INSERT INTO {requeues} (event_ids, subscriber, first_line, requeued, reason)
+                 VALUES ($1, $2, $3, $4, $5)"
+            )),
             dead_events_failing: sql(format!(
                 "SELECT id FROM {outbox}
                  WHERE published_at IS NULL AND dead_at IS NOT NULL AND {line} = $1
@@ -1410,23 +1421,27 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         own_pool.close().await;
     }
 
-    async fn requeue_events(
+    async fn begin_locked(
         pool: &PgPool,
+        queries: &PgQueries,
+    ) -> Result<Transaction<'static, Postgres>, sqlx::Error> {
+        pool.begin_with(queries.locked_begin.clone()).await
+    }
+
+    async fn requeue_events(
+        conn: &mut PgConnection,
         queries: &PgQueries,
         ids: &[i64],
     ) -> Result<u64, sqlx::Error> {
-        // Under the claim lock, as `skip`.
-        let mut tx = pool.begin_with(queries.locked_begin.clone()).await?;
         let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
             .bind(ids)
-            .fetch_one(&mut *tx)
+            .fetch_one(conn)
             .await?;
-        tx.commit().await?;
         Ok(u64::try_from(changed).unwrap_or(0))
     }
 
     async fn requeue_deliveries(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         queries: &PgQueries,
         subscriber: &str,
         first_line: Option<&str>,
@@ -1434,20 +1449,38 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         Ok(sqlx::query(queries.requeue_subscriber.clone())
             .bind(subscriber)
             .bind(first_line)
-            .execute(pool)
+            .execute(conn)
             .await?
             .rows_affected())
     }
 
     async fn dead_events_failing(
-        pool: &PgPool,
+        conn: &mut PgConnection,
         queries: &PgQueries,
         first_line: &str,
     ) -> Result<Vec<i64>, sqlx::Error> {
         sqlx::query_scalar(queries.dead_events_failing.clone())
             .bind(first_line)
-            .fetch_all(pool)
+            .fetch_all(conn)
             .await
+    }
+
+    async fn record_requeue(
+        conn: &mut PgConnection,
+        queries: &PgQueries,
+        named: &Named<'_>,
+        requeued: u64,
+        reason: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(queries.record_requeue.clone())
+            .bind(named.event_ids)
+            .bind(named.subscriber)
+            .bind(named.first_line)
+            .bind(i64::try_from(requeued).unwrap_or(i64::MAX))
+            .bind(reason)
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 }
 

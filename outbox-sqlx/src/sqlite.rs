@@ -16,12 +16,12 @@ use outbox_core::store::{
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
-use sqlx::{Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool};
+use sqlx::{Executor, Row, SqlStr, Sqlite, SqliteConnection, SqlitePool, Transaction};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    self, Backend, MIN_SHARE, Migration, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
+    self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
     apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
 };
 use crate::error::Error;
@@ -75,6 +75,11 @@ const MIGRATIONS: &[Migration] = &[
         "a registry of live relays and what their builds route",
         include_str!("../migrations/sqlite/0008_a_registry_of_live_relays.sql"),
     ),
+    (
+        9,
+        "a record of requeues made with a reason",
+        include_str!("../migrations/sqlite/0009_a_record_of_requeues.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -121,6 +126,7 @@ pub struct SqliteQueries {
     requeue_subscriber: SqlStr,
     /// The dead events whose error's first line is $1.
     dead_events_failing: SqlStr,
+    record_requeue: SqlStr,
     /// The next batch of old published events after where the last purge stopped (published
     /// time, then id), and whether a delivery still holds each.
     purge_examined: SqlStr,
@@ -172,6 +178,7 @@ impl Backend for Sqlite {
         let skips = names.local("_skips");
         let inbox = names.local("_inbox");
         let relays = names.local("_relays");
+        let requeues = names.local("_requeues");
         let dialect = Dialect {
             outbox: &outbox,
             deliveries: &deliveries,
@@ -434,6 +441,11 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                  WHERE subscriber = $1 AND dead_at IS NOT NULL
                    AND ($3 IS NULL OR {line} = $3)",
                 line = first_line("last_error")
+            )),
+            record_requeue: sql(format!(
+                "INSERT INTO {requeues}
+                     (event_ids, subscriber, first_line, requeued, reason, requeued_at)
+                 VALUES ($1, $2, $3, $4, $5, $6)"
             )),
             dead_events_failing: sql(format!(
                 "SELECT id FROM {outbox}
@@ -1217,36 +1229,40 @@ LIMIT $4"#
     ) {
     }
 
-    async fn requeue_events(
+    async fn begin_locked(
         pool: &SqlitePool,
+        _: &SqliteQueries,
+    ) -> Result<Transaction<'static, Sqlite>, sqlx::Error> {
+        pool.begin_with("BEGIN IMMEDIATE").await
+    }
+
+    async fn requeue_events(
+        conn: &mut SqliteConnection,
         queries: &SqliteQueries,
         ids: &[i64],
     ) -> Result<u64, sqlx::Error> {
-        let now = now();
         let ids = json!(ids).to_string();
-        let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
         let events = sqlx::query(queries.requeue_events.clone())
             .bind(&ids)
-            .execute(&mut *tx)
+            .execute(&mut *conn)
             .await?
             .rows_affected();
         let deliveries = sqlx::query(queries.requeue_event_deliveries.clone())
             .bind(&ids)
-            .bind(now)
-            .execute(&mut *tx)
+            .bind(now())
+            .execute(&mut *conn)
             .await?
             .rows_affected();
         // What waited behind them is claimed again with them, in order.
         sqlx::query(queries.unhold_behind.clone())
             .bind(&ids)
-            .execute(&mut *tx)
+            .execute(&mut *conn)
             .await?;
-        tx.commit().await?;
         Ok(events + deliveries)
     }
 
     async fn requeue_deliveries(
-        pool: &SqlitePool,
+        conn: &mut SqliteConnection,
         queries: &SqliteQueries,
         subscriber: &str,
         first_line: Option<&str>,
@@ -1255,20 +1271,39 @@ LIMIT $4"#
             .bind(subscriber)
             .bind(now())
             .bind(first_line)
-            .execute(pool)
+            .execute(conn)
             .await?
             .rows_affected())
     }
 
     async fn dead_events_failing(
-        pool: &SqlitePool,
+        conn: &mut SqliteConnection,
         queries: &SqliteQueries,
         first_line: &str,
     ) -> Result<Vec<i64>, sqlx::Error> {
         sqlx::query_scalar(queries.dead_events_failing.clone())
             .bind(first_line)
-            .fetch_all(pool)
+            .fetch_all(conn)
             .await
+    }
+
+    async fn record_requeue(
+        conn: &mut SqliteConnection,
+        queries: &SqliteQueries,
+        named: &Named<'_>,
+        requeued: u64,
+        reason: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query(queries.record_requeue.clone())
+            .bind(named.event_ids.map(|ids| json!(ids).to_string()))
+            .bind(named.subscriber)
+            .bind(named.first_line)
+            .bind(i64::try_from(requeued).unwrap_or(i64::MAX))
+            .bind(reason)
+            .bind(now())
+            .execute(conn)
+            .await?;
+        Ok(())
     }
 }
 

@@ -292,9 +292,41 @@ async fn dead_letters_are_grouped_by_failure_one_line_per_cause() {
     );
     let line = "permanent error: scripted permanent failure";
     assert_eq!(
-        json_of(&db, &["requeue", "--subscriber", "y", "--failure", line]),
+        json_of(
+            &db,
+            &[
+                "requeue",
+                "--subscriber",
+                "y",
+                "--failure",
+                line,
+                "--reason",
+                "fixed in 1.4.2"
+            ]
+        ),
         json!({"requeued": 50})
     );
+    let recorded: Vec<(Option<String>, Option<String>, i64, String)> = sqlx::query_as(
+        "SELECT subscriber, first_line, requeued, reason FROM events.outbox_requeues",
+    )
+    .fetch_all(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        recorded,
+        [(
+            Some("y".to_owned()),
+            Some(line.to_owned()),
+            50,
+            "fixed in 1.4.2".to_owned()
+        )]
+    );
+    let stderr = fails(
+        Some(&db),
+        &["requeue", "--subscriber", "x", "--reason", " "],
+        2,
+    );
+    assert!(stderr.contains("--reason is empty"), "{stderr}");
     let stderr = fails(
         Some(&db),
         &["requeue", "--subscriber", "y", "--failure", line],

@@ -278,6 +278,16 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
         (200, Some(1)),
         "{body}"
     );
+    // Recorded with its reason, as `outbox requeue --reason` records it.
+    let recorded: Vec<(Option<String>, i64, String)> =
+        sqlx::query_as("SELECT subscriber, requeued, reason FROM events.outbox_requeues")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        recorded,
+        [(Some("y".to_owned()), 1, "fixed in 1.4.2".to_owned())]
+    );
     assert_eq!(
         outbox
             .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Dead))

@@ -58,6 +58,10 @@ pub struct DeliveryRow {
     pub due_in: f64,
 }
 
+/// A recorded requeue: (event ids, comma-separated; subscriber; first line; rows requeued;
+/// reason).
+pub type RequeueRecord = (String, Option<String>, Option<String>, i64, String);
+
 /// A backend the behavioural tests run on.
 pub trait TestBackend: Backend + Sized {
     /// Keeps the database alive; dropping it removes the database.
@@ -123,6 +127,10 @@ pub trait TestBackend: Backend + Sized {
     /// How many inbox records there are.
     fn inbox_count(pool: &Pool<Self>) -> impl Future<Output = i64> + Send;
 
+    /// The recorded requeues, oldest first: (event ids, subscriber, first line, requeued,
+    /// reason).
+    fn requeue_records(pool: &Pool<Self>) -> impl Future<Output = Vec<RequeueRecord>> + Send;
+
     /// Makes every delivery waiting for a retry due now, as if its delay had passed.
     fn make_deliveries_due(pool: &Pool<Self>) -> impl Future<Output = ()> + Send;
 
@@ -183,7 +191,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 9;
+    const LATEST_MIGRATION: i32 = 10;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
@@ -300,6 +308,17 @@ impl TestBackend for Postgres {
         .execute(pool)
         .await
         .unwrap();
+    }
+
+    async fn requeue_records(pool: &Pool<Postgres>) -> Vec<RequeueRecord> {
+        sqlx::query_as(
+            "SELECT coalesce(array_to_string(event_ids, ','), ''), subscriber, first_line,
+                    requeued, reason
+             FROM events.outbox_requeues ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
     }
 
     async fn inbox_count(pool: &Pool<Postgres>) -> i64 {
@@ -456,7 +475,7 @@ impl SqliteFile {
 impl TestBackend for Sqlite {
     type Guard = SqliteFile;
     const NAME: &'static str = "sqlite";
-    const LATEST_MIGRATION: i32 = 8;
+    const LATEST_MIGRATION: i32 = 9;
 
     async fn fresh() -> (SqliteFile, Pool<Sqlite>) {
         let file = SqliteFile {
@@ -572,6 +591,17 @@ impl TestBackend for Sqlite {
             .execute(pool)
             .await
             .unwrap();
+    }
+
+    async fn requeue_records(pool: &Pool<Sqlite>) -> Vec<RequeueRecord> {
+        sqlx::query_as(
+            "SELECT coalesce(replace(replace(event_ids, '[', ''), ']', ''), ''), subscriber,
+                    first_line, requeued, reason
+             FROM outbox_requeues ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
     }
 
     async fn inbox_count(pool: &Pool<Sqlite>) -> i64 {

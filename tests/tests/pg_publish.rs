@@ -53,6 +53,7 @@ async fn custom_schema_and_table_names_are_used() {
             "event_log_inbox",
             "event_log_migrations",
             "event_log_relays",
+            "event_log_requeues",
             "event_log_skips"
         ]
     );

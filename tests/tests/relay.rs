@@ -607,9 +607,28 @@ async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
         async move { outbox.requeue(&which).await.unwrap() }
     };
     // y's permanent failures go back (a and b), nothing else: not x's alike, not y's other.
-    assert_eq!(requeue(Some("y"), &permanent).await, 2);
+    // With a reason, recorded (in the same transaction); without, or when nothing went
+    // back, not.
+    let which = Requeue::Failure {
+        subscriber: Some("y".to_owned()),
+        first_line: permanent.clone(),
+    };
+    assert_eq!(
+        outbox
+            .requeue_because(&which, "fixed in 1.4.2")
+            .await
+            .unwrap(),
+        2
+    );
     assert_eq!(
         requeue(Some("y"), "permanent error: no such failure").await,
+        0
+    );
+    assert_eq!(
+        outbox
+            .requeue_because(&which, "again, by mistake")
+            .await
+            .unwrap(),
         0
     );
     let ids = B::events(outbox.pool()).await;
@@ -623,7 +642,36 @@ async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
     assert_eq!(dead().await, left);
     // The events that cannot be decoded, by their error.
     let undecodable_line = line_of(None, "undecodable");
-    assert_eq!(requeue(None, &undecodable_line).await, 1);
+    let which = Requeue::Failure {
+        subscriber: None,
+        first_line: undecodable_line.clone(),
+    };
+    assert_eq!(
+        outbox
+            .requeue_because(&which, "the decoder is fixed")
+            .await
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        B::requeue_records(outbox.pool()).await,
+        [
+            (
+                String::new(),
+                Some("y".to_owned()),
+                Some(permanent.clone()),
+                2,
+                "fixed in 1.4.2".to_owned()
+            ),
+            (
+                undecodable.to_string(),
+                None,
+                Some(undecodable_line.clone()),
+                1,
+                "the decoder is fixed".to_owned()
+            ),
+        ]
+    );
     left.retain(|(subscriber, _)| subscriber.is_some());
     assert_eq!(dead().await, left);
     // Requeued, y's two are delivered (their scripts are spent).

@@ -3,7 +3,7 @@
 //! ```text
 //! outbox --database-url postgres://... status
 //! outbox dead-letters list --subscriber licensing
-//! outbox requeue 42 43          # or: --subscriber licensing [--failure "<first line>"]
+//! outbox requeue 42 43 --reason "fixed"   # or: --subscriber licensing [--failure "<first line>"]
 //! outbox skip 42 --subscriber licensing --reason "refunded by hand"
 //! outbox purge --published-before 30d
 //! ```
@@ -131,6 +131,9 @@ struct RequeueArgs {
     /// error's first line is this (of --subscriber; without it, events that cannot be decoded)
     #[arg(long, value_name = "FIRST LINE")]
     failure: Option<String>,
+    /// Why, for the record: kept in the `<table>_requeues` table with what went back
+    #[arg(long)]
+    reason: Option<String>,
 }
 
 #[derive(Args)]
@@ -431,7 +434,15 @@ async fn run<DB: Backend>(
                 (Some(subscriber), None) => Requeue::Subscriber(subscriber.clone()),
                 (None, None) => Requeue::Events(args.ids.clone()),
             };
-            let changed = outbox.requeue(&which).await?;
+            let changed = match args.reason.as_deref().map(str::trim) {
+                Some("") => {
+                    return Err(Failure::usage(
+                        "--reason is empty: say why, or leave it out".to_owned(),
+                    ));
+                }
+                Some(reason) => outbox.requeue_because(&which, reason).await?,
+                None => outbox.requeue(&which).await?,
+            };
             if changed == 0 {
                 return Err(Failure::new(match &args.subscriber {
                     _ if args.failure.is_some() => format!(

@@ -7,9 +7,9 @@
 //! [`Outbox`] methods as the command-line tool.
 //!
 //! Read-only unless [`writable`](Console::writable): then it requeues and skips, each with a
-//! reason (a skip's reason is recorded in the `<table>_skips` table as `outbox skip` records it;
-//! a requeue's is logged, at `info`, on the `outbox::console` target). It listens on a loopback
-//! address unless told otherwise ([`check_bind`]).
+//! reason, recorded as `outbox requeue --reason` and `outbox skip` record them (in the
+//! `<table>_requeues` and `<table>_skips` tables). It listens on a loopback address unless told
+//! otherwise ([`check_bind`]).
 //!
 //! ```no_run
 //! # #[allow(dead_code)]
@@ -387,20 +387,13 @@ async fn requeue<DB: Backend>(
             ));
         }
     };
-    let requeued = state.outbox.requeue(&which).await?;
+    let requeued = state.outbox.requeue_because(&which, &reason).await?;
     if requeued == 0 {
         return Err(Failure(
             StatusCode::CONFLICT,
             "nothing to requeue: nothing named is dead or parked (any more)".to_owned(),
         ));
     }
-    tracing::info!(
-        target: "outbox::console",
-        ?which,
-        requeued,
-        reason = %reason,
-        "requeued from the console"
-    );
     Ok(Json(json!({ "requeued": requeued })))
 }
 
