@@ -253,6 +253,15 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         first_line: &str,
     ) -> impl Future<Output = Result<Vec<i64>, sqlx::Error>> + Send;
 
+    /// The recorded requeues, newest first: at most `limit`, with ids below `before`.
+    #[doc(hidden)]
+    fn requeues(
+        pool: &Pool<Self>,
+        queries: &Self::Queries,
+        before: i64,
+        limit: u32,
+    ) -> impl Future<Output = Result<Vec<crate::RequeueRecord>, sqlx::Error>> + Send;
+
     /// Records a requeue made with a reason in `<table>_requeues`.
     #[doc(hidden)]
     fn record_requeue(

@@ -92,7 +92,8 @@ pub use tx::{
     Active, CanPublish, Committed, OutboxTx, PublishFuture, PublishGuard, RolledBack, State,
 };
 pub use views::{
-    DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview, Report,
+    DeadLetterGroup, HeldBack, HoldCause, ListQuery, ListState, Listed, Overview, Page, Report,
+    RequeueRecord,
 };
 
 /// Test-only hooks into the stores, for fault tests (feature `_fault-injection`; not a public

@@ -266,6 +266,22 @@ impl<DB: Backend, R> Outbox<DB, R> {
         Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, Some(reason)).await?)
     }
 
+    /// The requeues made with a reason, newest first: at most `limit`, and with `before`
+    /// (a [`RequeueRecord::id`](crate::RequeueRecord::id)) only those made before it.
+    pub async fn requeues(
+        &self,
+        before: Option<i64>,
+        limit: u32,
+    ) -> Result<Vec<crate::RequeueRecord>, Error> {
+        Ok(DB::requeues(
+            self.pool(),
+            self.queries(),
+            before.unwrap_or(i64::MAX),
+            limit.max(1),
+        )
+        .await?)
+    }
+
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
         Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, None).await?)

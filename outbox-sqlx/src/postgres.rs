@@ -115,6 +115,7 @@ pub struct PgQueries {
     /// The dead events whose error's first line is $1.
     dead_events_failing: SqlStr,
     record_requeue: SqlStr,
+    requeues: SqlStr,
     purge_published: SqlStr,
     status: SqlStr,
     /// Begins a record that writes deliveries (see `lock_keys`).
@@ -913,6 +914,11 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
   AND ($2::text IS NULL OR {line} = $2::text)"#,
                 line = first_line("last_error")
             )),
+            requeues: sql(format!(
+                "SELECT id, coalesce(event_ids, '{{}}'), subscriber, first_line, requeued, reason,
+                        requeued_at
+                 FROM {requeues} WHERE id < $1 ORDER BY id DESC LIMIT $2"
+            )),
             record_requeue: sql(format!(
                 "INSERT INTO {requeues} (event_ids, subscriber, first_line, requeued, reason)
                  VALUES ($1, $2, $3, $4, $5)"
@@ -1463,6 +1469,44 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(first_line)
             .fetch_all(conn)
             .await
+    }
+
+    async fn requeues(
+        pool: &PgPool,
+        queries: &PgQueries,
+        before: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::RequeueRecord>, sqlx::Error> {
+        type Row = (
+            i64,
+            Vec<i64>,
+            Option<String>,
+            Option<String>,
+            i64,
+            String,
+            OffsetDateTime,
+        );
+        let rows: Vec<Row> = sqlx::query_as(queries.requeues.clone())
+            .bind(before)
+            .bind(i64::from(limit))
+            .fetch_all(pool)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(id, event_ids, subscriber, first_line, requeued, reason, requeued_at)| {
+                    crate::RequeueRecord {
+                        id,
+                        event_ids,
+                        subscriber,
+                        first_line,
+                        requeued: row_count(requeued),
+                        reason,
+                        requeued_at,
+                    }
+                },
+            )
+            .collect())
     }
 
     async fn record_requeue(

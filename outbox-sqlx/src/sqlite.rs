@@ -127,6 +127,7 @@ pub struct SqliteQueries {
     /// The dead events whose error's first line is $1.
     dead_events_failing: SqlStr,
     record_requeue: SqlStr,
+    requeues: SqlStr,
     /// The next batch of old published events after where the last purge stopped (published
     /// time, then id), and whether a delivery still holds each.
     purge_examined: SqlStr,
@@ -147,6 +148,12 @@ pub struct SqliteQueries {
 /// Microseconds since the Unix epoch, the unit of every timestamp column.
 fn micros(time: OffsetDateTime) -> i64 {
     i64::try_from(time.unix_timestamp_nanos() / 1000).unwrap_or(i64::MAX)
+}
+
+/// The time `micros` microseconds after the Unix epoch (the epoch for a value out of range).
+fn from_micros(micros: i64) -> OffsetDateTime {
+    OffsetDateTime::from_unix_timestamp_nanos(i128::from(micros) * 1000)
+        .unwrap_or(OffsetDateTime::UNIX_EPOCH)
 }
 
 fn now() -> i64 {
@@ -441,6 +448,10 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                  WHERE subscriber = $1 AND dead_at IS NOT NULL
                    AND ($3 IS NULL OR {line} = $3)",
                 line = first_line("last_error")
+            )),
+            requeues: sql(format!(
+                "SELECT id, event_ids, subscriber, first_line, requeued, reason, requeued_at
+                 FROM {requeues} WHERE id < $1 ORDER BY id DESC LIMIT $2"
             )),
             record_requeue: sql(format!(
                 "INSERT INTO {requeues}
@@ -1285,6 +1296,47 @@ LIMIT $4"#
             .bind(first_line)
             .fetch_all(conn)
             .await
+    }
+
+    async fn requeues(
+        pool: &SqlitePool,
+        queries: &SqliteQueries,
+        before: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::RequeueRecord>, sqlx::Error> {
+        type Row = (
+            i64,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            i64,
+            String,
+            i64,
+        );
+        let rows: Vec<Row> = sqlx::query_as(queries.requeues.clone())
+            .bind(before)
+            .bind(i64::from(limit))
+            .fetch_all(pool)
+            .await?;
+        Ok(rows
+            .into_iter()
+            .map(
+                |(id, event_ids, subscriber, first_line, requeued, reason, requeued_at)| {
+                    crate::RequeueRecord {
+                        id,
+                        // (Written by `record_requeue` as a JSON array of ids.)
+                        event_ids: event_ids
+                            .and_then(|ids| serde_json::from_str(&ids).ok())
+                            .unwrap_or_default(),
+                        subscriber,
+                        first_line,
+                        requeued: row_count(requeued),
+                        reason,
+                        requeued_at: from_micros(requeued_at),
+                    }
+                },
+            )
+            .collect())
     }
 
     async fn record_requeue(

@@ -226,6 +226,28 @@ pub struct Page {
     pub next: Option<String>,
 }
 
+/// A requeue made with a reason ([`Outbox::requeue_because`]), as `<table>_requeues` keeps
+/// it; read by [`Outbox::requeues`], newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct RequeueRecord {
+    /// Its id, in the order requeues were made.
+    pub id: i64,
+    /// The events named (for a failure group of undecodable events: those it found); empty when
+    /// a subscriber was named.
+    pub event_ids: Vec<i64>,
+    /// The subscriber named, if any.
+    pub subscriber: Option<String>,
+    /// The failure group's first line, if one was named.
+    pub first_line: Option<String>,
+    /// How many rows went back.
+    pub requeued: u64,
+    /// Why.
+    pub reason: String,
+    /// When.
+    pub requeued_at: time::OffsetDateTime,
+}
+
 /// Dead letters that failed alike: one subscriber, one first line of the last error. One bad
 /// deploy is one group, not ten thousand rows.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -628,7 +650,7 @@ impl Report {
 mod serialize {
     use serde::ser::{Serialize, SerializeMap, SerializeStruct, Serializer};
 
-    use super::{HeldBack, HoldCause, ListState, Overview, Report};
+    use super::{HeldBack, HoldCause, ListState, Overview, Report, RequeueRecord};
     use crate::SubscriberStatus;
 
     impl Serialize for ListState {
@@ -682,6 +704,24 @@ mod serialize {
     impl Serialize for HeldBackNow<'_> {
         fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
             serializer.collect_seq(self.0.held_back.iter().filter(|held| held.blocked > 0))
+        }
+    }
+
+    impl Serialize for RequeueRecord {
+        fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+            let at = self
+                .requeued_at
+                .format(&time::format_description::well_known::Rfc3339)
+                .map_err(serde::ser::Error::custom)?;
+            let mut record = serializer.serialize_struct("RequeueRecord", 7)?;
+            record.serialize_field("id", &self.id)?;
+            record.serialize_field("event_ids", &self.event_ids)?;
+            record.serialize_field("subscriber", &self.subscriber)?;
+            record.serialize_field("first_line", &self.first_line)?;
+            record.serialize_field("requeued", &self.requeued)?;
+            record.serialize_field("reason", &self.reason)?;
+            record.serialize_field("requeued_at", &at)?;
+            record.end()
         }
     }
 

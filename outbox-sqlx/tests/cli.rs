@@ -327,6 +327,26 @@ async fn dead_letters_are_grouped_by_failure_one_line_per_cause() {
         2,
     );
     assert!(stderr.contains("--reason is empty"), "{stderr}");
+    let history = json_of(&db, &["requeues"]);
+    assert_eq!(history.as_array().unwrap().len(), 1, "{history}");
+    assert_eq!(
+        (
+            &history[0]["subscriber"],
+            &history[0]["requeued"],
+            &history[0]["reason"]
+        ),
+        (&json!("y"), &json!(50), &json!("fixed in 1.4.2"))
+    );
+    assert!(
+        history[0]["requeued_at"].as_str().unwrap().ends_with('Z'),
+        "{history}"
+    );
+    let table = ok(&db, &["requeues"]);
+    assert!(table.starts_with("ID  AT"), "{table}");
+    assert!(
+        table.contains("y: permanent error: scripted permanent failure"),
+        "{table}"
+    );
     let stderr = fails(
         Some(&db),
         &["requeue", "--subscriber", "y", "--failure", line],
@@ -573,6 +593,8 @@ async fn every_command_exits_0_when_done_1_when_it_could_not_2_on_a_wrong_comman
         (vec!["status"], 0),
         (vec!["dead-letters", "list"], 0),
         (vec!["dead-letters", "groups"], 0),
+        (vec!["requeues"], 0),
+        (vec!["requeues", "--limit", "0"], 2),
         // Nothing to requeue or skip: tried, and could not.
         (vec!["requeue", &delivered], 1),
         (vec!["requeue", "--subscriber", "nobody"], 1),

@@ -653,6 +653,29 @@ async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
             .unwrap(),
         1
     );
+    // Read back newest first, a page at a time.
+    let records = outbox.requeues(None, 10).await.unwrap();
+    let summary: Vec<(Vec<i64>, Option<&str>, u64, &str)> = records
+        .iter()
+        .map(|r| {
+            (
+                r.event_ids.clone(),
+                r.subscriber.as_deref(),
+                r.requeued,
+                r.reason.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        summary,
+        [
+            (vec![undecodable], None, 1, "the decoder is fixed"),
+            (vec![], Some("y"), 2, "fixed in 1.4.2"),
+        ]
+    );
+    assert!(records[0].requeued_at >= records[1].requeued_at);
+    let older = outbox.requeues(Some(records[0].id), 1).await.unwrap();
+    assert_eq!(older, records[1..]);
     assert_eq!(
         B::requeue_records(outbox.pool()).await,
         [

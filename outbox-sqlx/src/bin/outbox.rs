@@ -66,6 +66,8 @@ enum Command {
     Requeue(RequeueArgs),
     /// Give up one subscriber's delivery of an event (or a whole dead or parked event); recorded
     Skip(SkipArgs),
+    /// The requeues made with a reason, newest first (skips: `list --state skipped`)
+    Requeues(RequeuesArgs),
     /// Delete published events; dead letters and undelivered events are never deleted
     Purge(PurgeArgs),
     /// Serve the web console (with the `console` feature): the status over time, what holds
@@ -174,6 +176,16 @@ fn parse_after(after: &str) -> Result<String, String> {
     ListQuery::new(ListState::Dead)
         .after_key(after)
         .map(|_| after.to_owned())
+}
+
+#[derive(Args)]
+struct RequeuesArgs {
+    /// Only those made before this one (its id, as the previous page says)
+    #[arg(long)]
+    before: Option<i64>,
+    /// Rows per page
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    limit: u32,
 }
 
 #[derive(Args)]
@@ -482,6 +494,43 @@ async fn run<DB: Backend>(
                 &json!({"requeued": changed}),
                 &format!("requeued {changed} dead letters\n"),
             ))
+        }
+        Command::Requeues(args) => {
+            let records = outbox.requeues(args.before, args.limit).await?;
+            if json {
+                return Ok(format!("{}\n", serde_json::to_string(&records)?));
+            }
+            if records.is_empty() {
+                return Ok("no requeue recorded\n".to_owned());
+            }
+            let mut out = table(
+                &["ID", "AT", "REQUEUED", "WHAT", "REASON"],
+                &records
+                    .iter()
+                    .map(|r| {
+                        let what = match (&r.subscriber, &r.first_line) {
+                            (Some(s), Some(line)) => format!("{s}: {line}"),
+                            (Some(s), None) => format!("{s}: every dead delivery"),
+                            (None, Some(line)) => format!("undecodable: {line}"),
+                            (None, None) => format!("events {:?}", r.event_ids),
+                        };
+                        vec![
+                            r.id.to_string(),
+                            r.requeued_at.format(&Rfc3339).unwrap_or_default(),
+                            r.requeued.to_string(),
+                            shorten(&what, 60),
+                            shorten(&r.reason, 60),
+                        ]
+                    })
+                    .collect::<Vec<_>>(),
+            );
+            if let (true, Some(last)) = (
+                records.len() == usize::try_from(args.limit).unwrap_or(usize::MAX),
+                records.last(),
+            ) {
+                out.push_str(&format!("more: --before {}\n", last.id));
+            }
+            Ok(out)
         }
         Command::Skip(args) => {
             let skipped = outbox

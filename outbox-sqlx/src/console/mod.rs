@@ -113,6 +113,7 @@ impl<DB: Backend> Console<DB> {
             .route("/api/history", get(history::<DB>))
             .route("/api/list", get(list::<DB>))
             .route("/api/groups", get(groups::<DB>))
+            .route("/api/requeues", get(requeues::<DB>))
             .route("/api/requeue", post(requeue::<DB>))
             .route("/api/skip", post(skip::<DB>))
             .with_state(Arc::clone(&state));
@@ -333,6 +334,20 @@ async fn groups<DB: Backend>(
     State(state): State<Arc<Shared<DB>>>,
 ) -> Result<Json<Vec<DeadLetterGroup>>, Failure> {
     Ok(Json(state.outbox.dead_letter_groups().await?))
+}
+
+#[derive(Deserialize)]
+struct RequeuesParams {
+    before: Option<i64>,
+    limit: Option<u32>,
+}
+
+async fn requeues<DB: Backend>(
+    State(state): State<Arc<Shared<DB>>>,
+    Query(params): Query<RequeuesParams>,
+) -> Result<Json<Vec<crate::RequeueRecord>>, Failure> {
+    let limit = params.limit.unwrap_or(50).clamp(1, 1000);
+    Ok(Json(state.outbox.requeues(params.before, limit).await?))
 }
 
 /// Refuses a write unless the console is writable; returns the reason, which must be given.

@@ -94,6 +94,14 @@ function check(condition, what) {
     await page.waitForSelector("#empty");
     check(true, "the dead letters list is empty after the requeue");
 
+    // History: both requeues, newest first, with their reasons.
+    await page.goto(url + "#history");
+    await page.waitForSelector("tr.requeue-record");
+    const reasons = await page.locator("tr.requeue-record td:last-child").allTextContents();
+    check(
+      JSON.stringify(reasons) === JSON.stringify(["the licensing bug is fixed in 1.4.2", "the decoder is fixed"]),
+      "the history shows both requeues with their reasons: " + JSON.stringify(reasons));
+
     check(errors.length === 0, "no script errors: " + errors.join("; "));
     check(elsewhere.length === 0, "nothing fetched from another origin: " + elsewhere.join(", "));
   } finally {
