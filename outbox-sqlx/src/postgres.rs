@@ -23,7 +23,7 @@ use crate::error::Error;
 use crate::names::TableNames;
 use crate::views::{
     Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
-    overview_query,
+    overview_query, requeue_record,
 };
 
 impl sealed::Sealed for Postgres {}
@@ -915,7 +915,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 line = first_line("last_error")
             )),
             requeues: sql(format!(
-                "SELECT id, coalesce(event_ids, '{{}}'), subscriber, first_line, requeued, reason,
+                "SELECT id, coalesce(event_ids, '{{}}') AS event_ids, subscriber, first_line, requeued, reason,
                         requeued_at
                  FROM {requeues} WHERE id < $1 ORDER BY id DESC LIMIT $2"
             )),
@@ -1477,36 +1477,14 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         before: i64,
         limit: u32,
     ) -> Result<Vec<crate::RequeueRecord>, sqlx::Error> {
-        type Row = (
-            i64,
-            Vec<i64>,
-            Option<String>,
-            Option<String>,
-            i64,
-            String,
-            OffsetDateTime,
-        );
-        let rows: Vec<Row> = sqlx::query_as(queries.requeues.clone())
+        sqlx::query(queries.requeues.clone())
             .bind(before)
             .bind(i64::from(limit))
             .fetch_all(pool)
-            .await?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, event_ids, subscriber, first_line, requeued, reason, requeued_at)| {
-                    crate::RequeueRecord {
-                        id,
-                        event_ids,
-                        subscriber,
-                        first_line,
-                        requeued: row_count(requeued),
-                        reason,
-                        requeued_at,
-                    }
-                },
-            )
-            .collect())
+            .await?
+            .iter()
+            .map(|row| requeue_record(row, row.try_get("event_ids")?, row.try_get("requeued_at")?))
+            .collect()
     }
 
     async fn record_requeue(
@@ -1769,6 +1747,19 @@ mod tests {
     /// claim reads every table).
     const LATEST: i32 = MIGRATIONS[MIGRATIONS.len() - 1].0;
 
+    /// A claim of up to 10 events for a minute, nothing left to other builds.
+    async fn claim_ten(pool: &PgPool, queries: &PgQueries) -> Batch {
+        Postgres::claim(
+            pool,
+            queries,
+            10,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap()
+    }
+
     async fn migrated() -> TestDb {
         let db = TestDb::new().await;
         Outbox::<Postgres, ()>::new(db.pool.clone())
@@ -1830,15 +1821,7 @@ mod tests {
         .unwrap();
         migrate_to(&db.pool, &names, LATEST).await.unwrap();
         let queries = Postgres::queries(&names);
-        let batch = Postgres::claim(
-            &db.pool,
-            &queries,
-            10,
-            Duration::from_secs(60),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
+        let batch = claim_ten(&db.pool, &queries).await;
         let claimed: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
         assert_eq!(
             claimed,
@@ -2131,15 +2114,7 @@ mod tests {
     async fn drain_ids(pool: &PgPool, queries: &PgQueries) -> Vec<i64> {
         let mut claimed = Vec::new();
         loop {
-            let batch = Postgres::claim(
-                pool,
-                queries,
-                10,
-                Duration::from_secs(60),
-                &ClaimFilter::default(),
-            )
-            .await
-            .unwrap();
+            let batch = claim_ten(pool, queries).await;
             if batch.is_empty() && !batch.more {
                 return claimed;
             }
@@ -2178,15 +2153,7 @@ mod tests {
         };
         // A relay claims e1 and dies; its claim has lasted.
         let e1 = insert().await.unwrap();
-        let first = Postgres::claim(
-            &db.pool,
-            &queries,
-            10,
-            Duration::from_secs(60),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
+        let first = claim_ten(&db.pool, &queries).await;
         assert_eq!(first.claims.len(), 1);
         sqlx::query("UPDATE events.outbox_claims SET claimed_at = now() - interval '1 minute'")
             .execute(&db.pool)
@@ -2194,15 +2161,7 @@ mod tests {
             .unwrap();
         // e2 arrives and is set aside behind that claim.
         let e2 = insert().await.unwrap();
-        let batch = Postgres::claim(
-            &db.pool,
-            &queries,
-            10,
-            Duration::from_secs(60),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
+        let batch = claim_ten(&db.pool, &queries).await;
         assert!(batch.is_empty() && batch.more, "{batch:?}");
         // The dead relay's claim expires; e3 arrives.
         sqlx::query("UPDATE events.outbox_claims SET until = now() - interval '1 second'")

@@ -28,7 +28,7 @@ use crate::error::Error;
 use crate::names::TableNames;
 use crate::views::{
     Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
-    overview_query,
+    overview_query, requeue_record,
 };
 
 impl sealed::Sealed for Sqlite {}
@@ -1304,39 +1304,21 @@ LIMIT $4"#
         before: i64,
         limit: u32,
     ) -> Result<Vec<crate::RequeueRecord>, sqlx::Error> {
-        type Row = (
-            i64,
-            Option<String>,
-            Option<String>,
-            Option<String>,
-            i64,
-            String,
-            i64,
-        );
-        let rows: Vec<Row> = sqlx::query_as(queries.requeues.clone())
+        sqlx::query(queries.requeues.clone())
             .bind(before)
             .bind(i64::from(limit))
             .fetch_all(pool)
-            .await?;
-        Ok(rows
-            .into_iter()
-            .map(
-                |(id, event_ids, subscriber, first_line, requeued, reason, requeued_at)| {
-                    crate::RequeueRecord {
-                        id,
-                        // (Written by `record_requeue` as a JSON array of ids.)
-                        event_ids: event_ids
-                            .and_then(|ids| serde_json::from_str(&ids).ok())
-                            .unwrap_or_default(),
-                        subscriber,
-                        first_line,
-                        requeued: row_count(requeued),
-                        reason,
-                        requeued_at: from_micros(requeued_at),
-                    }
-                },
-            )
-            .collect())
+            .await?
+            .iter()
+            .map(|row| {
+                // (Written by `record_requeue` as a JSON array of ids.)
+                let event_ids = row
+                    .try_get::<Option<String>, _>("event_ids")?
+                    .and_then(|ids| serde_json::from_str(&ids).ok())
+                    .unwrap_or_default();
+                requeue_record(row, event_ids, from_micros(row.try_get("requeued_at")?))
+            })
+            .collect()
     }
 
     async fn record_requeue(

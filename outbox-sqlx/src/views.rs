@@ -541,6 +541,30 @@ pub struct HeldBack {
     pub waiting: u64,
 }
 
+/// One row of a backend's `requeues` query, given the two columns each backend stores its own
+/// way: the event ids and the time.
+pub(crate) fn requeue_record<R: sqlx::Row>(
+    row: &R,
+    event_ids: Vec<i64>,
+    requeued_at: time::OffsetDateTime,
+) -> Result<RequeueRecord, sqlx::Error>
+where
+    for<'r> &'r str: sqlx::ColumnIndex<R>,
+    for<'r> Option<String>: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> String: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+    for<'r> i64: sqlx::Decode<'r, R::Database> + sqlx::Type<R::Database>,
+{
+    Ok(RequeueRecord {
+        id: row.try_get("id")?,
+        event_ids,
+        subscriber: row.try_get("subscriber")?,
+        first_line: row.try_get("first_line")?,
+        requeued: u64::try_from(row.try_get::<i64, _>("requeued")?).unwrap_or(0),
+        reason: row.try_get("reason")?,
+        requeued_at,
+    })
+}
+
 /// One row of [`list_query`].
 pub(crate) fn listed<R: sqlx::Row>(row: &R, state: ListState) -> Result<Listed, sqlx::Error>
 where
