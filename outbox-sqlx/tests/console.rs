@@ -324,6 +324,44 @@ async fn a_writable_console_takes_json_with_a_reason_only() {
     );
     assert_eq!(status, 409, "{body}");
     assert!(body.contains("nothing to requeue"), "{body}");
+    // Nothing left to skip either, and requests that name nothing or name it badly: each
+    // error says what is wrong.
+    let skip = format!(r#"{{"event_id": {dead}, "subscriber": "y", "reason": "twice"}}"#);
+    for (method, path, body, status, says) in [
+        (
+            "POST",
+            "/api/skip",
+            Some(skip.as_str()),
+            409,
+            "cannot skip event",
+        ),
+        (
+            "POST",
+            "/api/requeue",
+            Some(r#"{"event_ids": [1], "subscriber": "y", "reason": "r"}"#),
+            400,
+            "name event ids, a subscriber, or a failure group",
+        ),
+        (
+            "GET",
+            "/api/list?state=dead&aggregate=nope",
+            None,
+            400,
+            "aggregate `nope` is not a UUID",
+        ),
+        (
+            "GET",
+            "/api/list?state=dead&after=x",
+            None,
+            400,
+            "after `x`: expected an event id",
+        ),
+    ] {
+        let (code, answer) = served.http(method, path, body);
+        assert_eq!(code, status, "{path}: {answer}");
+        let error = json(&answer)["error"].as_str().unwrap().to_owned();
+        assert!(error.contains(says), "{path}: {error}");
+    }
 }
 
 /// A GET with the `Host` header `host`; (status, body).
@@ -390,6 +428,36 @@ async fn the_console_listens_on_loopback_unless_asked() {
         .unwrap();
     assert!(interrupted.success());
     assert_eq!(local.child.wait().unwrap().code(), Some(0));
+    // A port another program holds: said so.
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = taken.local_addr().unwrap().port().to_string();
+    let bind = format!("127.0.0.1:{port}");
+    let output = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args(["--database-url", &db.url(), "serve", "--bind", &bind])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(1));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains(&format!("cannot listen on {bind}")),
+        "{stderr}"
+    );
+    let output = Command::new(env!("CARGO_BIN_EXE_outbox"))
+        .args([
+            "--database-url",
+            &db.url(),
+            "serve",
+            "--sample-every",
+            "soon",
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(output.status.code(), Some(2));
+    let stderr = String::from_utf8(output.stderr).unwrap();
+    assert!(
+        stderr.contains("expected a number and a unit: 500ms, 5s, 1m"),
+        "{stderr}"
+    );
     // Asked: any address.
     let remote = Served::start(&db, &["--bind", "0.0.0.0:0", "--allow-remote"]);
     assert!(remote.addr.ip().is_unspecified(), "{}", remote.addr);
