@@ -12,7 +12,8 @@ use crate::error::Error;
 use crate::names::TableNames;
 
 /// A database the outbox can live in. Sealed: implemented for `sqlx::Postgres` (feature
-/// `postgres`) and `sqlx::Sqlite` (feature `sqlite`).
+/// `postgres`), `sqlx::Sqlite` (feature `sqlite`) and `sqlx::MySql` (feature `mysql`: MySQL 8.0
+/// or MariaDB 10.6 and later).
 pub trait Backend: sqlx::Database + sealed::Sealed {
     /// The SQL for one set of tables, built once from the validated names.
     #[doc(hidden)]
@@ -412,8 +413,8 @@ pub(crate) type Migration = (i32, &'static str, &'static str);
 
 /// Applies, on `conn` (in the caller's transaction, under its migration lock), the
 /// `migrations` above the version `ledger` records, up to `last`, and records each with
-/// `record` (an insert of version `$1` and description `$2`). `table` names a table by its
-/// suffix, as the backend spells it.
+/// `record` (an insert of version `$1` and description `$2`). `render` turns a migration's
+/// template into SQL ([`TableNames::render`], with the backend's quoting).
 pub(crate) async fn apply_migrations<DB>(
     conn: &mut DB::Connection,
     names: &TableNames,
@@ -421,7 +422,7 @@ pub(crate) async fn apply_migrations<DB>(
     last: i32,
     ledger: &str,
     record: &str,
-    table: impl Fn(&str) -> String,
+    render: impl Fn(&str) -> String,
 ) -> Result<(), Error>
 where
     DB: sqlx::Database,
@@ -449,7 +450,7 @@ where
         if *version <= current || *version > last {
             continue;
         }
-        let text = names.render(template, &table);
+        let text = render(template);
         sqlx::raw_sql(sql(text)).execute(&mut *conn).await?;
         sqlx::query(sql(record.to_owned()))
             .bind(*version)

@@ -69,6 +69,8 @@ mod backend;
 pub mod console;
 mod error;
 pub mod inbox;
+#[cfg(feature = "mysql")]
+mod mysql;
 mod names;
 mod outbox;
 #[cfg(feature = "postgres")]

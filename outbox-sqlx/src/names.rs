@@ -7,7 +7,8 @@ use outbox_core::ConfigError;
 /// The events go in `<schema>.<table>`, per-subscriber deliveries in
 /// `<schema>.<table>_deliveries`, and applied migrations in `<schema>.<table>_migrations`. The
 /// default is the seed's `events.outbox`. SQLite has no schemas: there the tables are `<table>`,
-/// `<table>_deliveries` and `<table>_migrations`, and the schema is not used.
+/// `<table>_deliveries` and `<table>_migrations`, and the schema is not used. On MySQL the
+/// tables are likewise `<table>...`, in the database the connection names.
 ///
 /// Names are checked here, once: only lowercase ASCII letters, digits and underscores, starting
 /// with a letter or an underscore, so that they can be spliced into SQL safely (they are quoted
@@ -89,6 +90,12 @@ impl TableNames {
         format!("\"{}{suffix}\"", self.table)
     }
 
+    /// `` `table<suffix>` ``, quoted as MySQL quotes names whatever its SQL mode.
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn backticked(&self, suffix: &str) -> String {
+        format!("`{}{suffix}`", self.table)
+    }
+
     /// `"schema"`, quoted.
     pub(crate) fn quoted_schema(&self) -> String {
         format!("\"{}\"", self.schema)
@@ -96,8 +103,13 @@ impl TableNames {
 
     /// A migration template with `{outbox}`, `{deliveries}` and `{claims}` replaced by
     /// `table(suffix)` (the quoted table `<table><suffix>`, qualified or not as the database
-    /// wants) and each index placeholder, such as `{pending_idx}`, by `"<table>_<index>"`.
-    pub(crate) fn render(&self, template: &str, table: impl Fn(&str) -> String) -> String {
+    /// wants) and each index placeholder, such as `{pending_idx}`, by `index("_<index>")`.
+    pub(crate) fn render(
+        &self,
+        template: &str,
+        table: impl Fn(&str) -> String,
+        index: impl Fn(&str) -> String,
+    ) -> String {
         let mut text = template
             .replace("{outbox}", &table(""))
             .replace("{deliveries_rebuilt}", &table("_deliveries_rebuilt"))
@@ -108,9 +120,11 @@ impl TableNames {
             .replace("{skips}", &table("_skips"))
             .replace("{inbox}", &table("_inbox"))
             .replace("{relays}", &table("_relays"))
-            .replace("{requeues}", &table("_requeues"));
-        for index in INDEXES {
-            text = text.replace(&format!("{{{index}}}"), &self.local(&format!("_{index}")));
+            .replace("{requeues}", &table("_requeues"))
+            .replace("{claim_lock}", &table("_claim_lock"))
+            .replace("{aggregate_locks}", &table("_aggregate_locks"));
+        for name in INDEXES {
+            text = text.replace(&format!("{{{name}}}"), &index(&format!("_{name}")));
         }
         text
     }

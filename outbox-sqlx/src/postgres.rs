@@ -195,6 +195,7 @@ impl Backend for Postgres {
             claimed_event: format!("o.id IN (SELECT unnest(c.event_ids) FROM {claims} AS c)"),
             payload: "coalesce(o.payload_text, o.payload::text)",
             param: |n, ty| format!("${n}::{ty}"),
+            params: "",
         };
         let lock = (i64::from(names.lock_namespace()) << 1) | 1;
         // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
@@ -1641,7 +1642,7 @@ async fn migrate_to(pool: &PgPool, names: &TableNames, last: i32) -> Result<(), 
         last,
         &migrations,
         &format!("INSERT INTO {migrations} (version, description) VALUES ($1, $2)"),
-        |suffix| names.qualified(suffix),
+        |template| names.render(template, |s| names.qualified(s), |s| names.local(s)),
     )
     .await?;
     tx.commit().await?;

@@ -193,6 +193,7 @@ impl Backend for Sqlite {
             claimed_event: "o.claim_id IS NOT NULL".to_owned(),
             payload: "o.payload",
             param: |n, _| format!("${n}"),
+            params: "",
         };
         // Stalled: the event holds its aggregate's later events back for every subscriber.
         let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
@@ -565,7 +566,7 @@ LIMIT $4"#
                 "INSERT INTO {migrations} (version, description, applied_at)
                  VALUES ($1, $2, CAST((julianday('now') - 2440587.5) * 86400000000 AS INTEGER))"
             ),
-            |suffix| names.local(suffix),
+            |template| names.render(template, |s| names.local(s), |s| names.local(s)),
         )
         .await?;
         tx.commit().await?;

@@ -467,3 +467,5 @@ impl<DB: Database> PublishGuard for Transaction<'_, DB> {}
 impl PublishGuard for sqlx::PgConnection {}
 #[cfg(feature = "sqlite")]
 impl PublishGuard for sqlx::SqliteConnection {}
+#[cfg(feature = "mysql")]
+impl PublishGuard for sqlx::MySqlConnection {}

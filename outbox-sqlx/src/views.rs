@@ -280,6 +280,10 @@ pub(crate) struct Dialect<'a> {
     pub(crate) payload: &'a str,
     /// Parameter `n` of type `type`, with a cast where the dialect needs one.
     pub(crate) param: fn(u8, &str) -> String,
+    /// Where the parameters come from, joined to the rows (MySQL's placeholders are
+    /// positional, each used once: the parameters there are the columns of a one-row table);
+    /// empty where `param` names them.
+    pub(crate) params: &'a str,
 }
 
 /// The rows in `state`, before filters, as (event_id, subscriber, event_type, aggregate_type,
@@ -349,13 +353,13 @@ fn state_rows(d: &Dialect<'_>, state: ListState) -> String {
 /// page size.
 pub(crate) fn list_query(d: &Dialect<'_>, state: ListState) -> String {
     let rows = state_rows(d, state);
-    let param = d.param;
+    let (param, params) = (d.param, d.params);
     let (subscriber, event_type, aggregate) =
         (param(1, "text"), param(2, "text"), param(3, "uuid"));
     let (after_id, after_subscriber, limit) =
         (param(4, "int8"), param(5, "text"), param(6, "int8"));
     format!(
-        "SELECT * FROM ({rows}) AS x
+        "SELECT * FROM ({rows}) AS x{params}
          WHERE ({subscriber} IS NULL OR x.subscriber = {subscriber})
            AND ({event_type} IS NULL OR x.event_type = {event_type})
            AND ({aggregate} IS NULL OR x.aggregate_id = {aggregate})

@@ -1,8 +1,8 @@
-//! One harness over both backends, so that a behavioural test is written once and run on
-//! PostgreSQL and on a real SQLite file.
+//! One harness over every backend, so that a behavioural test is written once and run on
+//! PostgreSQL, on a real SQLite file and on MySQL / MariaDB.
 //!
-//! A test body is a generic `async fn body<B: TestBackend>()`; [`crate::on_both_backends!`] runs
-//! it as `postgres::body` and `sqlite::body`. The harness gives a fresh, migrated database and the
+//! A test body is a generic `async fn body<B: TestBackend>()`; [`crate::on_every_backend!`] runs
+//! it as `postgres::body`, `sqlite::body` and `mysql::body`. The harness gives a fresh, migrated database and the
 //! few backend-specific queries tests use to look at the tables.
 
 use std::future::Future;
@@ -12,10 +12,11 @@ use std::time::Duration;
 use outbox_sqlx::{Backend, Outbox, OutboxTx};
 use sqlx::postgres::PgPoolOptions;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{Pool, Postgres, Row, Sqlite};
+use sqlx::{MySql, Pool, Postgres, Row, Sqlite};
 use time::OffsetDateTime;
 use uuid::Uuid;
 
+use crate::my::TestMyDb;
 use crate::pg::TestDb;
 
 /// An event row, as tests look at it.
@@ -725,10 +726,271 @@ impl TestBackend for Sqlite {
     }
 }
 
-/// Runs each listed generic test body on PostgreSQL and on SQLite:
-/// `on_both_backends!(name_one, name_two)` defines `postgres::name_one`, `sqlite::name_one`, ...
+impl TestBackend for MySql {
+    type Guard = TestMyDb;
+    const NAME: &'static str = "mysql";
+    const LATEST_MIGRATION: i32 = 1;
+
+    async fn fresh() -> (TestMyDb, Pool<MySql>) {
+        let db = TestMyDb::new().await;
+        let pool = db.pool.clone();
+        (db, pool)
+    }
+
+    fn url(guard: &TestMyDb) -> String {
+        guard.url()
+    }
+
+    async fn connect(url: String) -> Pool<MySql> {
+        TestMyDb::connect(&url, 5).await
+    }
+
+    async fn events(pool: &Pool<MySql>) -> Vec<EventRow> {
+        sqlx::query(
+            "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                    published_at IS NOT NULL AS published, dead_at IS NOT NULL AS dead,
+                    CAST(retry_count AS SIGNED) AS parked, last_error,
+                    coalesce(next_retry_at > UTC_TIMESTAMP(6), 0) AS waiting
+             FROM outbox ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| EventRow {
+            id: r.get("id"),
+            aggregate_type: r.get("aggregate_type"),
+            aggregate_id: r.get("aggregate_id"),
+            event_type: r.get("event_type"),
+            payload: r.get("payload"),
+            occurred_at: r.get("occurred_at"),
+            published: r.get::<i64, _>("published") == 1,
+            dead: r.get::<i64, _>("dead") == 1,
+            parked: r.get("parked"),
+            last_error: r.get("last_error"),
+            waiting: r.get::<i64, _>("waiting") == 1,
+        })
+        .collect()
+    }
+
+    async fn delivery(pool: &Pool<MySql>, subscriber: &str, event_id: i64) -> Option<DeliveryRow> {
+        sqlx::query(
+            "SELECT CAST(attempts AS SIGNED) AS attempts, last_error,
+                    dead_at IS NOT NULL AS dead,
+                    CAST(TIMESTAMPDIFF(MICROSECOND, UTC_TIMESTAMP(6), next_retry_at) AS DOUBLE)
+                        / 1000000 AS due_in
+             FROM outbox_deliveries WHERE subscriber = ? AND event_id = ?",
+        )
+        .bind(subscriber)
+        .bind(event_id)
+        .fetch_optional(pool)
+        .await
+        .unwrap()
+        .map(|r| DeliveryRow {
+            attempts: r.get("attempts"),
+            last_error: r.get("last_error"),
+            dead: r.get::<i64, _>("dead") == 1,
+            due_in: r.get::<Option<f64>, _>("due_in").unwrap_or(0.0),
+        })
+    }
+
+    async fn delivery_count(pool: &Pool<MySql>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn insert_raw(
+        pool: &Pool<MySql>,
+        event_type: &str,
+        aggregate: Uuid,
+        payload: &str,
+    ) -> i64 {
+        let id = sqlx::query(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             VALUES ('probe', ?, ?, ?, UTC_TIMESTAMP(6))",
+        )
+        .bind(aggregate)
+        .bind(event_type)
+        .bind(payload)
+        .execute(pool)
+        .await
+        .unwrap()
+        .last_insert_id();
+        i64::try_from(id).unwrap()
+    }
+
+    async fn backdate_inbox(pool: &Pool<MySql>, message_id: &str, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE outbox_inbox SET handled_at = handled_at - INTERVAL ? MICROSECOND
+             WHERE message_id = ?",
+        )
+        .bind(i64::try_from(by.as_micros()).unwrap())
+        .bind(message_id)
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert!(changed > 0, "message {message_id} is in the inbox");
+    }
+
+    async fn make_deliveries_due(pool: &Pool<MySql>) {
+        sqlx::query(
+            "UPDATE outbox_deliveries SET next_retry_at = UTC_TIMESTAMP(6)
+             WHERE next_retry_at > UTC_TIMESTAMP(6)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn requeue_records(pool: &Pool<MySql>) -> Vec<RequeueRecord> {
+        sqlx::query_as(
+            "SELECT coalesce(replace(replace(event_ids, '[', ''), ']', ''), ''), subscriber,
+                    first_line, requeued, reason
+             FROM outbox_requeues ORDER BY id",
+        )
+        .fetch_all(pool)
+        .await
+        .unwrap()
+    }
+
+    async fn inbox_count(pool: &Pool<MySql>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM outbox_inbox")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn backdate_published(pool: &Pool<MySql>, id: i64, by: Duration) {
+        let changed = sqlx::query(
+            "UPDATE outbox SET published_at = published_at - INTERVAL ? MICROSECOND
+             WHERE id = ? AND published_at IS NOT NULL",
+        )
+        .bind(i64::try_from(by.as_micros()).unwrap())
+        .bind(id)
+        .execute(pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        assert_eq!(changed, 1, "event {id} is published");
+    }
+
+    async fn break_occurred_at(pool: &Pool<MySql>, id: i64) {
+        // A zero date, as a server without strict mode keeps it: no time this build can read.
+        let mut conn = pool.acquire().await.unwrap();
+        sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+            "SET SESSION sql_mode = '';
+             UPDATE outbox SET occurred_at = '0000-00-00 00:00:00' WHERE id = {id};
+             SET SESSION sql_mode = DEFAULT"
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+    }
+
+    async fn set_payload(pool: &Pool<MySql>, id: i64, payload: &str) {
+        sqlx::query("UPDATE outbox SET payload = ? WHERE id = ?")
+            .bind(payload)
+            .bind(id)
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_future_migration(pool: &Pool<MySql>) {
+        sqlx::query(
+            "INSERT INTO outbox_migrations (version, description, applied_at)
+             VALUES (99, 'future', UTC_TIMESTAMP(6))",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn create_accounts(pool: &Pool<MySql>) {
+        sqlx::query("CREATE TABLE accounts (id BINARY(16) PRIMARY KEY, balance BIGINT NOT NULL)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn insert_account<'c, R: Send>(tx: &mut OutboxTx<'c, MySql, R>, id: Uuid, balance: i64) {
+        sqlx::query("INSERT INTO accounts VALUES (?, ?)")
+            .bind(id)
+            .bind(balance)
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+    }
+
+    const CAN_KILL_CONNECTIONS: bool = true;
+
+    async fn kill_own_connection(conn: &mut sqlx::MySqlConnection) -> Result<(), sqlx::Error> {
+        sqlx::query("KILL CONNECTION_ID()")
+            .execute(conn)
+            .await
+            .map(|_| ())
+    }
+
+    async fn make_effects_unique(pool: &Pool<MySql>) {
+        sqlx::query("CREATE UNIQUE INDEX effects_once ON effects (event_id)")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn expire_claims(pool: &Pool<MySql>) {
+        sqlx::query("UPDATE outbox_claims SET until = UTC_TIMESTAMP(6) - INTERVAL 1 HOUR")
+            .execute(pool)
+            .await
+            .unwrap();
+    }
+
+    async fn create_effects(pool: &Pool<MySql>) {
+        sqlx::query(
+            "CREATE TABLE effects (n BIGINT AUTO_INCREMENT PRIMARY KEY, event_id BIGINT NOT NULL,
+                                   relay VARCHAR(255) NOT NULL)",
+        )
+        .execute(pool)
+        .await
+        .unwrap();
+    }
+
+    async fn insert_effect(
+        conn: &mut sqlx::MySqlConnection,
+        event_id: i64,
+        relay: &str,
+    ) -> Result<(), sqlx::Error> {
+        sqlx::query("INSERT INTO effects (event_id, relay) VALUES (?, ?)")
+            .bind(event_id)
+            .bind(relay)
+            .execute(conn)
+            .await
+            .map(drop)
+    }
+
+    async fn effects(pool: &Pool<MySql>) -> Vec<(i64, String)> {
+        sqlx::query_as("SELECT event_id, relay FROM effects ORDER BY n")
+            .fetch_all(pool)
+            .await
+            .unwrap()
+    }
+
+    async fn account_count(pool: &Pool<MySql>) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM accounts")
+            .fetch_one(pool)
+            .await
+            .unwrap()
+    }
+}
+
+/// Runs each listed generic test body on PostgreSQL, on SQLite and on MySQL:
+/// `on_every_backend!(name_one, name_two)` defines `postgres::name_one`, `sqlite::name_one`,
+/// `mysql::name_one`, ...
 #[macro_export]
-macro_rules! on_both_backends {
+macro_rules! on_every_backend {
     ($($test:ident),* $(,)?) => {
         mod postgres {
             $(
@@ -743,6 +1005,14 @@ macro_rules! on_both_backends {
                 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
                 async fn $test() {
                     super::$test::<sqlx::Sqlite>().await;
+                }
+            )*
+        }
+        mod mysql {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $test() {
+                    super::$test::<sqlx::MySql>().await;
                 }
             )*
         }

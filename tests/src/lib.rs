@@ -12,6 +12,7 @@
 
 pub mod backend;
 pub mod kit;
+pub mod my;
 pub mod pg;
 pub mod process;
 pub mod seed;

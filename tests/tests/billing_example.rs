@@ -12,7 +12,7 @@ use outbox_examples::billing::events::{
 use outbox_examples::billing::scenario::{self, FinalState};
 use outbox_sqlx::{Outbox, TableNames};
 use outbox_tests::backend::TestBackend;
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use outbox_tests::pg::TestDb;
 use sqlx::Postgres;
 use time::macros::datetime;
@@ -83,7 +83,7 @@ async fn the_scenario_ends_in_the_same_state_on_sqlite_and_postgres() {
     assert_eq!(on_sqlite.dead_letters, 0);
 }
 
-on_both_backends!(every_example_event_delivered_twice_leaves_the_state_unchanged);
+on_every_backend!(every_example_event_delivered_twice_leaves_the_state_unchanged);
 
 async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestBackend + Db>() {
     let (_db, pool) = B::fresh().await;

@@ -13,11 +13,11 @@ use outbox_sqlx::Outbox;
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::run_until;
 
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     a_renamed_event_type_and_subscriber_keep_their_stored_work,
     relays_of_two_builds_leave_each_other_what_only_the_other_routes,
 );

@@ -7,9 +7,9 @@ use outbox_core::Store;
 use outbox_sqlx::{Error, Outbox, Received};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::PingPong;
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 
-on_both_backends!(
+on_every_backend!(
     the_inbox_drops_a_duplicate_in_the_same_transaction_as_the_effect,
     a_bad_consumer_or_message_id_is_refused_and_the_transaction_goes_on,
     old_inbox_records_are_purged_by_retention_and_young_ones_kept,

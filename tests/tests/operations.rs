@@ -13,10 +13,10 @@ use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
     Fail, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until, wait_for,
 };
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     a_relay_reports_every_metric_with_its_value_and_labels,
     the_store_purges_old_published_events_in_batches_and_keeps_the_rest,
     a_relay_with_retention_purges_old_published_events_as_it_runs,

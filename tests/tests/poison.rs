@@ -13,12 +13,12 @@ use outbox_core::{
 use outbox_sqlx::Outbox;
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Fail, OnlyX, Ping, Probe, run_until};
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use serde::{Deserialize, Deserializer, Serialize};
 use serde_json::Value;
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     a_nul_in_a_handler_error_is_stored_as_a_retry,
     a_nul_in_a_payload_string_is_stored_and_delivered_exactly,
     a_row_that_cannot_be_read_is_one_dead_letter,

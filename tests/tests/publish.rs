@@ -5,12 +5,12 @@ use outbox_core::{Metadata, OutboxEvent, Publish, TraceContext, decode};
 use outbox_sqlx::{Error, Outbox};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Everything, Ping};
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use outbox_tests::samples;
 use sqlx::Acquire;
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     committed_transaction_stores_domain_change_and_event_together,
     rolled_back_transaction_stores_neither,
     dropped_transaction_stores_neither,

@@ -12,12 +12,12 @@ use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
     Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until, wait_for,
 };
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use sqlx::Pool;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     committed_events_reach_each_routed_subscriber_exactly_once,
     transient_failure_records_attempts_error_and_next_retry_then_delivers_after_the_delay,
     exhausted_retries_make_a_dead_letter_that_is_never_claimed_or_purged_while_others_flow,

@@ -13,11 +13,11 @@ use outbox_core::{
 };
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Ping, WatchedStore, wait_for};
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     a_transactional_subscriber_commits_its_effect_and_its_delivery_together,
     a_follow_up_event_published_in_a_handler_carries_causation_and_correlation,
     a_lost_claim_writes_nothing_and_says_so,

@@ -15,11 +15,11 @@ use outbox_core::{
 use outbox_sqlx::{Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, PingTock, Pong, Probe, Tock, run_until};
-use outbox_tests::on_both_backends;
+use outbox_tests::on_every_backend;
 use tokio::sync::Notify;
 use uuid::Uuid;
 
-on_both_backends!(
+on_every_backend!(
     a_stuck_aggregate_does_not_stop_the_others_behind_a_dead_event,
     a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_an_unknown_type,
     a_stuck_aggregate_does_not_stop_the_others_behind_an_event_of_a_newer_version,

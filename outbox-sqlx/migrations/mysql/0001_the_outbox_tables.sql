@@ -1,0 +1,136 @@
+-- The same tables and semantics as on PostgreSQL and SQLite, in MySQL's dialect. Times are
+-- DATETIME(6): UTC with microseconds, from the server's clock (UTC_TIMESTAMP(6)). Names are
+-- compared byte for byte (utf8mb4_bin), as on the other backends.
+--
+-- Partial indexes do not exist here: where the other backends index only the rows a query
+-- looks for (pending events, due parked events, unpublished events of an aggregate, due
+-- deliveries), a generated column that is NULL for every other row is indexed, and the queries
+-- name it, so that a scan reads what it looks for however many published rows the table keeps.
+CREATE TABLE {outbox} (
+    id              BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    aggregate_type  VARCHAR(255) NOT NULL,
+    aggregate_id    BINARY(16) NOT NULL,
+    event_type      VARCHAR(255) NOT NULL,
+    payload         LONGTEXT NOT NULL,
+    occurred_at     DATETIME(6) NOT NULL,
+    published_at    DATETIME(6) NULL,
+    retry_count     INT NOT NULL DEFAULT 0,
+    last_error      TEXT NULL,
+    next_retry_at   DATETIME(6) NULL,
+    dead_at         DATETIME(6) NULL,
+    -- The live claim that holds the event.
+    claim_id        BIGINT NULL,
+    -- Set aside behind a claim that lasted (released when it is over) or behind a dead or
+    -- parked event (released when that is published, skipped or requeued).
+    held_by         BIGINT NULL,
+    held_behind     BIGINT NULL,
+    expired_claims  INT NOT NULL DEFAULT 0,
+    -- 1 for an event the relay's scan takes, in id order; NULL for every other.
+    pending         TINYINT AS (IF(published_at IS NULL AND dead_at IS NULL
+                                   AND next_retry_at IS NULL AND claim_id IS NULL
+                                   AND held_by IS NULL AND held_behind IS NULL, 1, NULL)) VIRTUAL,
+    -- When a parked event is due; NULL for every other.
+    parked_until    DATETIME(6) AS (IF(published_at IS NULL AND dead_at IS NULL,
+                                       next_retry_at, NULL)) VIRTUAL,
+    -- The aggregate of an unpublished event; NULL once it is published.
+    unpublished_aggregate BINARY(16) AS (IF(published_at IS NULL, aggregate_id, NULL)) VIRTUAL,
+    INDEX {pending_idx} (pending, id),
+    INDEX {parked_idx} (parked_until),
+    INDEX {aggregate_idx} (unpublished_aggregate, aggregate_type, id),
+    INDEX {held_by_idx} (held_by),
+    INDEX {held_behind_idx} (held_behind),
+    INDEX {claim_idx} (claim_id),
+    -- Purges go through old published events in this order, from where the last one stopped.
+    INDEX {published_idx} (published_at, id)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- Per-subscriber delivery state, for events some subscriber has not had yet. Only the first
+-- undelivered row of a (subscriber, aggregate) key has a due time; the rows behind it have
+-- none, so a claim never reads them one by one.
+CREATE TABLE {deliveries} (
+    event_id        BIGINT NOT NULL,
+    subscriber      VARCHAR(255) NOT NULL,
+    aggregate_type  VARCHAR(255) NOT NULL,
+    aggregate_id    BINARY(16) NOT NULL,
+    attempts        INT NOT NULL DEFAULT 0,
+    last_error      TEXT NULL,
+    next_retry_at   DATETIME(6) NULL,
+    dead_at         DATETIME(6) NULL,
+    claim_id        BIGINT NULL,
+    expired_claims  INT NOT NULL DEFAULT 0,
+    -- When a live delivery is due; NULL for a dead one and for one behind its key's head.
+    due_at          DATETIME(6) AS (IF(dead_at IS NULL, next_retry_at, NULL)) VIRTUAL,
+    PRIMARY KEY (subscriber, event_id),
+    INDEX {deliveries_head_idx} (subscriber, aggregate_id, aggregate_type, event_id),
+    INDEX {deliveries_due_idx} (due_at),
+    INDEX {deliveries_event_idx} (event_id),
+    INDEX {deliveries_claim_idx} (claim_id),
+    FOREIGN KEY (event_id) REFERENCES {outbox} (id)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- A claim's id is its token: renewals and outcomes name it and count only while it is live.
+CREATE TABLE {claims} (
+    id          BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    until       DATETIME(6) NOT NULL,
+    claimed_at  DATETIME(6) NOT NULL,
+    INDEX claims_until_idx (until)
+) ENGINE = InnoDB;
+
+-- One row, locked by every claim, record, skip and requeue for the rest of its transaction:
+-- one at a time, each seeing what the one before it committed.
+CREATE TABLE {claim_lock} (
+    id TINYINT NOT NULL PRIMARY KEY
+) ENGINE = InnoDB;
+INSERT INTO {claim_lock} (id) VALUES (1);
+
+-- 4 096 rows; a transaction that publishes for an aggregate locks the row of the aggregate's
+-- hash before its event takes an id, until it commits. Two transactions publishing for one
+-- aggregate take their ids one after the other, so within an aggregate id order is commit
+-- order (InnoDB takes auto-increment ids at insert, not at commit).
+CREATE TABLE {aggregate_locks} (
+    slot SMALLINT NOT NULL PRIMARY KEY
+) ENGINE = InnoDB;
+INSERT INTO {aggregate_locks} (slot)
+WITH RECURSIVE s (n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM s WHERE n < 63)
+SELECT a.n * 64 + b.n FROM s AS a CROSS JOIN s AS b;
+
+-- Deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber.
+CREATE TABLE {skips} (
+    event_id    BIGINT NOT NULL,
+    subscriber  VARCHAR(255) NULL,
+    attempts    INT NOT NULL,
+    last_error  TEXT NULL,
+    reason      TEXT NOT NULL,
+    skipped_at  DATETIME(6) NOT NULL
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- The inbox: the messages each consumer handled, written in the transaction of the handling's
+-- effects. Retention deletes the old rows by `handled_at`.
+CREATE TABLE {inbox} (
+    consumer    VARCHAR(200) NOT NULL,
+    message_id  VARCHAR(500) NOT NULL,
+    handled_at  DATETIME(6) NOT NULL,
+    PRIMARY KEY (consumer, message_id),
+    INDEX {inbox_handled_idx} (handled_at)
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- The relays at work and what each one's build routes (JSON); see the other backends.
+CREATE TABLE {relays} (
+    id             CHAR(36) NOT NULL PRIMARY KEY,
+    generation     BIGINT NOT NULL,
+    routing        LONGTEXT NOT NULL,
+    registered_at  DATETIME(6) NOT NULL,
+    seen_at        DATETIME(6) NOT NULL
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
+
+-- Requeues made with a reason: what was named (event ids as a JSON array; or a subscriber, and
+-- a failure's first line; or a first line alone), how many rows went back, and why.
+CREATE TABLE {requeues} (
+    id           BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
+    event_ids    LONGTEXT NULL,
+    subscriber   VARCHAR(255) NULL,
+    first_line   TEXT NULL,
+    requeued     BIGINT NOT NULL,
+    reason       TEXT NOT NULL,
+    requeued_at  DATETIME(6) NOT NULL
+) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
