@@ -1,13 +1,15 @@
-//! The example runs on SQLite (a temporary file, no server) or on PostgreSQL (`DATABASE_URL`).
-//! An application picks one database; this module is what lets one example serve both: the
-//! domain SQL is written once (portable, `$N` parameters), and the [`Db`] trait runs it.
+//! The example runs on SQLite (a temporary file, no server), on PostgreSQL or on MySQL /
+//! MariaDB (`DATABASE_URL`). An application picks one database; this module is what lets one
+//! example serve all three: the domain SQL is written once (`$N` parameters, `ON CONFLICT`, as
+//! PostgreSQL and SQLite both take it), and the [`Db`] trait runs it; on MySQL it is rewritten
+//! first ([`mysql_dialect`]).
 
 use std::future::Future;
 use std::pin::Pin;
 
 use outbox_core::{Delivery, HandlerError};
 use outbox_sqlx::{Backend, Outbox};
-use sqlx::{Pool, Postgres, Row, Sqlite};
+use sqlx::{MySql, Pool, Postgres, Row, Sqlite};
 
 use super::app::App;
 use super::events::WinBackOffered;
@@ -53,40 +55,41 @@ macro_rules! args {
 
 type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
-/// The domain tables, in SQL both databases accept.
+/// The domain tables, in SQL every database here accepts (keys are `VARCHAR`: MySQL indexes
+/// no `TEXT`).
 pub const SCHEMA: &str = "
 CREATE TABLE subscriptions (
-    id             TEXT PRIMARY KEY,
-    license_id     TEXT NOT NULL,
+    id             VARCHAR(64) PRIMARY KEY,
+    license_id     VARCHAR(64) NOT NULL,
     customer_email TEXT NOT NULL,
     period_end     BIGINT NOT NULL,
     cycle_count    BIGINT NOT NULL,
     status         TEXT NOT NULL
 );
 CREATE TABLE payment_attempts (
-    id              TEXT PRIMARY KEY,
+    id              VARCHAR(64) PRIMARY KEY,
     subscription_id TEXT NOT NULL,
     status          TEXT NOT NULL,
     payment_key     TEXT
 );
 CREATE TABLE licenses (
-    id         TEXT PRIMARY KEY,
+    id         VARCHAR(64) PRIMARY KEY,
     tier       TEXT NOT NULL,
     status     TEXT NOT NULL,
     expires_at BIGINT NOT NULL
 );
 CREATE TABLE bots (
-    id         TEXT PRIMARY KEY,
+    id         VARCHAR(64) PRIMARY KEY,
     license_id TEXT NOT NULL,
     status     TEXT NOT NULL
 );
 CREATE TABLE license_bots (
-    license_id TEXT NOT NULL,
-    bot_id     TEXT NOT NULL,
+    license_id VARCHAR(64) NOT NULL,
+    bot_id     VARCHAR(64) NOT NULL,
     PRIMARY KEY (license_id, bot_id)
 );
 CREATE TABLE audit_log (
-    id              TEXT PRIMARY KEY,
+    id              VARCHAR(64) PRIMARY KEY,
     outbox_event_id BIGINT NOT NULL UNIQUE,
     aggregate_type  TEXT NOT NULL,
     aggregate_id    TEXT NOT NULL,
@@ -95,7 +98,7 @@ CREATE TABLE audit_log (
 );
 CREATE TABLE notifications (
     outbox_event_id BIGINT NOT NULL,
-    recipient       TEXT NOT NULL,
+    recipient       VARCHAR(255) NOT NULL,
     message         TEXT NOT NULL,
     PRIMARY KEY (outbox_event_id, recipient)
 );
@@ -108,7 +111,7 @@ CREATE TABLE recovery_cases (
 
 /// A database the example runs on.
 pub trait Db: Backend {
-    /// For the story: "SQLite" or "PostgreSQL".
+    /// For the story: "SQLite", "PostgreSQL" or "MySQL".
     const LABEL: &'static str;
     /// Extends a license to `$2` unless it already runs longer: the seed's
     /// `GREATEST(expires_at, $1)`, idempotent under redelivery. (SQLite spells it `max`.)
@@ -128,7 +131,7 @@ pub trait Db: Backend {
         args: Vec<Arg>,
     ) -> BoxFuture<'a, sqlx::Result<u64>>;
 
-    /// The rows of `sql`, each column read as text (cast it in the query).
+    /// The rows of `sql`, each column read as text (integers written out).
     fn rows<'a>(
         pool: &'a Pool<Self>,
         sql: &'static str,
@@ -145,7 +148,7 @@ pub trait Db: Backend {
 }
 
 macro_rules! impl_db {
-    ($db:ty, $name:literal, $extend:literal, $variant:ident) => {
+    ($db:ty, $name:literal, $extend:literal, $variant:ident, $dialect:expr) => {
         impl Db for $db {
             const LABEL: &'static str = $name;
             const EXTEND_LICENSE: &'static str = $extend;
@@ -156,7 +159,9 @@ macro_rules! impl_db {
                 args: Vec<Arg>,
             ) -> BoxFuture<'a, sqlx::Result<u64>> {
                 Box::pin(async move {
-                    let mut query = sqlx::query(sql);
+                    let (sql, args) = $dialect(sql, args);
+                    // The example's own statements (see `Db`), not user input.
+                    let mut query = sqlx::query(sqlx::AssertSqlSafe(sql));
                     for arg in args {
                         query = match arg {
                             Arg::Text(text) => query.bind(text),
@@ -183,11 +188,19 @@ macro_rules! impl_db {
                 sql: &'static str,
             ) -> BoxFuture<'a, sqlx::Result<Vec<Vec<Option<String>>>>> {
                 Box::pin(async move {
-                    let rows = sqlx::query(sql).fetch_all(pool).await?;
+                    let (sql, _) = $dialect(sql, Vec::new());
+                    let rows = sqlx::query(sqlx::AssertSqlSafe(sql))
+                        .fetch_all(pool)
+                        .await?;
                     rows.iter()
                         .map(|row| {
                             (0..row.len())
-                                .map(|i| row.try_get::<Option<String>, _>(i))
+                                .map(|i| {
+                                    row.try_get::<Option<String>, _>(i).or_else(|_| {
+                                        row.try_get::<Option<i64>, _>(i)
+                                            .map(|n| n.map(|n| n.to_string()))
+                                    })
+                                })
                                 .collect()
                         })
                         .collect()
@@ -222,14 +235,78 @@ impl_db!(
     Postgres,
     "PostgreSQL",
     "UPDATE licenses SET expires_at = GREATEST(expires_at, $2) WHERE id = $1",
-    Postgres
+    Postgres,
+    as_written
 );
 impl_db!(
     Sqlite,
     "SQLite",
     "UPDATE licenses SET expires_at = max(expires_at, $2) WHERE id = $1",
-    Sqlite
+    Sqlite,
+    as_written
 );
+impl_db!(
+    MySql,
+    "MySQL",
+    "UPDATE licenses SET expires_at = GREATEST(expires_at, $2) WHERE id = $1",
+    MySql,
+    mysql_dialect
+);
+
+fn as_written(sql: &'static str, args: Vec<Arg>) -> (String, Vec<Arg>) {
+    (sql.to_owned(), args)
+}
+
+/// The example's statements as MySQL takes them: its placeholders are `?`, bound in the order
+/// they appear (`$2 ... $1` binds the second argument first); `INSERT ... ON CONFLICT (..) DO
+/// NOTHING` is `INSERT IGNORE`; `ON CONFLICT (..) DO UPDATE SET c = excluded.c` is `ON DUPLICATE
+/// KEY UPDATE c = VALUES(c)`. (Only what the example's own SQL uses; an application on MySQL
+/// writes its SQL for MySQL.)
+#[allow(clippy::needless_pass_by_value)] // The signature of `as_written`, which moves them.
+pub fn mysql_dialect(sql: &'static str, args: Vec<Arg>) -> (String, Vec<Arg>) {
+    let mut text = String::with_capacity(sql.len());
+    let mut order = Vec::with_capacity(args.len());
+    let mut chars = sql.char_indices().peekable();
+    while let Some((_, c)) = chars.next() {
+        let mut digits = String::new();
+        while c == '$' && chars.peek().is_some_and(|(_, d)| d.is_ascii_digit()) {
+            digits.extend(chars.next().map(|(_, d)| d));
+        }
+        match digits.parse::<usize>() {
+            Ok(n) => {
+                text.push('?');
+                order.push(n - 1);
+            }
+            Err(_) => text.push(c),
+        }
+    }
+    if let Some(at) = text.find("ON CONFLICT") {
+        let clause = text[at..].to_owned();
+        text.truncate(at);
+        if clause.contains("DO NOTHING") {
+            text = text.replacen("INSERT INTO", "INSERT IGNORE INTO", 1);
+        } else if let Some((_, set)) = clause.split_once("DO UPDATE SET") {
+            let mut set = set.to_owned();
+            while let Some(start) = set.find("excluded.") {
+                let end = set[start + 9..]
+                    .find(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+                    .map_or(set.len(), |e| start + 9 + e);
+                let column = set[start + 9..end].to_owned();
+                set.replace_range(start..end, &format!("VALUES({column})"));
+            }
+            text.push_str("ON DUPLICATE KEY UPDATE");
+            text.push_str(&set);
+        }
+    }
+    let args: Vec<Arg> = args.into_iter().collect();
+    (
+        text,
+        order
+            .into_iter()
+            .filter_map(|n| args.get(n).cloned())
+            .collect(),
+    )
+}
 
 /// A pool of either database, for the subscribers: they are fields of one router type, so they
 /// cannot be generic over the database the way the services are.
@@ -239,6 +316,8 @@ pub enum DbPool {
     Postgres(Pool<Postgres>),
     /// SQLite.
     Sqlite(Pool<Sqlite>),
+    /// MySQL / MariaDB.
+    MySql(Pool<MySql>),
 }
 
 impl DbPool {
@@ -247,6 +326,7 @@ impl DbPool {
         match self {
             DbPool::Postgres(pool) => Postgres::exec_pool(pool, sql, args).await,
             DbPool::Sqlite(pool) => Sqlite::exec_pool(pool, sql, args).await,
+            DbPool::MySql(pool) => MySql::exec_pool(pool, sql, args).await,
         }
     }
 
@@ -255,6 +335,7 @@ impl DbPool {
         match self {
             DbPool::Postgres(_) => Postgres::EXTEND_LICENSE,
             DbPool::Sqlite(_) => Sqlite::EXTEND_LICENSE,
+            DbPool::MySql(_) => MySql::EXTEND_LICENSE,
         }
     }
 
@@ -263,6 +344,7 @@ impl DbPool {
         match self {
             DbPool::Postgres(pool) => Postgres::rows(pool, sql).await,
             DbPool::Sqlite(pool) => Sqlite::rows(pool, sql).await,
+            DbPool::MySql(pool) => MySql::rows(pool, sql).await,
         }
     }
 }
@@ -274,6 +356,8 @@ pub enum DbOutbox {
     Postgres(Outbox<Postgres, App>),
     /// SQLite.
     Sqlite(Outbox<Sqlite, App>),
+    /// MySQL / MariaDB.
+    MySql(Outbox<MySql, App>),
 }
 
 impl DbOutbox {
@@ -290,6 +374,7 @@ impl DbOutbox {
         match self {
             DbOutbox::Postgres(outbox) => once(outbox, d, sql, args, follow_up).await,
             DbOutbox::Sqlite(outbox) => once(outbox, d, sql, args, follow_up).await,
+            DbOutbox::MySql(outbox) => once(outbox, d, sql, args, follow_up).await,
         }
     }
 }

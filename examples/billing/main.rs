@@ -3,6 +3,7 @@
 //! ```sh
 //! cargo run --example billing                                   # SQLite, a temporary file
 //! DATABASE_URL=postgres://postgres@127.0.0.1/postgres cargo run --example billing
+//! DATABASE_URL=mysql://root@127.0.0.1/test cargo run --example billing
 //! cargo run --example billing -- catalog --format asyncapi      # what the service emits
 //! ```
 
@@ -37,9 +38,13 @@ async fn main() -> Result<(), BoxError> {
         Ok(url) if url.starts_with("postgres://") || url.starts_with("postgresql://") => {
             scenario::on_postgres(&url).await?;
         }
+        Ok(url) if url.starts_with("mysql://") || url.starts_with("mariadb://") => {
+            scenario::on_mysql(&url.replacen("mariadb://", "mysql://", 1)).await?;
+        }
         Ok(url) => {
             return Err(format!(
-                "DATABASE_URL must be a postgres:// URL (or unset, for SQLite); got {url:?}"
+                "DATABASE_URL must be a postgres:// or mysql:// URL (or unset, for SQLite); \
+                 got {url:?}"
             )
             .into());
         }

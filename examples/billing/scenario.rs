@@ -7,9 +7,10 @@ use std::time::Duration;
 use outbox_core::store::Requeue;
 use outbox_core::{BoxError, RelayConfig, RetryPolicy};
 use outbox_sqlx::{Outbox, Status, TableNames};
+use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{Pool, Postgres, Sqlite};
+use sqlx::{MySql, Pool, Postgres, Sqlite};
 use time::OffsetDateTime;
 use time::macros::datetime;
 use uuid::{Uuid, uuid};
@@ -58,31 +59,31 @@ impl FinalState {
         Ok(Self {
             subscriptions: pool
                 .rows(
-                    "SELECT id, status, CAST(period_end AS TEXT), CAST(cycle_count AS TEXT)
+                    "SELECT id, status, period_end, cycle_count
                        FROM subscriptions ORDER BY id",
                 )
                 .await?,
             licenses: pool
-                .rows("SELECT id, tier, status, CAST(expires_at AS TEXT) FROM licenses ORDER BY id")
+                .rows("SELECT id, tier, status, expires_at FROM licenses ORDER BY id")
                 .await?,
             license_bots: pool
                 .rows("SELECT license_id, bot_id FROM license_bots ORDER BY license_id, bot_id")
                 .await?,
             audit: pool
                 .rows(
-                    "SELECT CAST(outbox_event_id AS TEXT), event_type, aggregate_type, aggregate_id
+                    "SELECT outbox_event_id, event_type, aggregate_type, aggregate_id
                        FROM audit_log ORDER BY outbox_event_id",
                 )
                 .await?,
             notifications: pool
                 .rows(
-                    "SELECT CAST(outbox_event_id AS TEXT), recipient, message
+                    "SELECT outbox_event_id, recipient, message
                        FROM notifications ORDER BY outbox_event_id, recipient",
                 )
                 .await?,
             recovery_cases: pool
                 .rows(
-                    "SELECT CAST(outbox_event_id AS TEXT), subject, action
+                    "SELECT outbox_event_id, subject, action
                        FROM recovery_cases ORDER BY outbox_event_id",
                 )
                 .await?,
@@ -294,6 +295,30 @@ pub async fn on_postgres(url: &str) -> Result<FinalState, BoxError> {
     let result = run(pool, names).await;
     Postgres::execute_script(&admin, &format!("DROP SCHEMA \"{schema}\" CASCADE")).await?;
     story::note(&format!("dropped the example's schema {schema}"));
+    result
+}
+
+/// Runs the scenario on the MySQL / MariaDB server at `url`, in a new database that is dropped at
+/// the end.
+pub async fn on_mysql(url: &str) -> Result<FinalState, BoxError> {
+    let database = format!(
+        "billing_example_{}_{:08x}",
+        OffsetDateTime::now_utc().unix_timestamp(),
+        rand_u32()
+    );
+    let options = MySqlConnectOptions::from_str(url)?;
+    let admin: Pool<MySql> = MySqlPoolOptions::new()
+        .max_connections(1)
+        .connect_with(options.clone())
+        .await?;
+    MySql::execute_script(&admin, &format!("CREATE DATABASE `{database}`")).await?;
+    let pool: Pool<MySql> = MySqlPoolOptions::new()
+        .max_connections(5)
+        .connect_with(options.database(&database))
+        .await?;
+    let result = run(pool, TableNames::default()).await;
+    MySql::execute_script(&admin, &format!("DROP DATABASE `{database}`")).await?;
+    story::note(&format!("dropped the example's database {database}"));
     result
 }
 

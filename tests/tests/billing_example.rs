@@ -1,5 +1,5 @@
-//! The billing example, run on both backends: the same final state on SQLite and PostgreSQL, and
-//! every example event delivered twice leaves the state as one delivery did.
+//! The billing example, run on every backend: the same final state on SQLite, PostgreSQL and
+//! MySQL, and every example event delivered twice leaves the state as one delivery did.
 
 use outbox_core::OutboxEvent;
 use outbox_core::testing::TestDelivery;
@@ -12,14 +12,15 @@ use outbox_examples::billing::events::{
 use outbox_examples::billing::scenario::{self, FinalState};
 use outbox_sqlx::{Outbox, TableNames};
 use outbox_tests::backend::TestBackend;
+use outbox_tests::my::TestMyDb;
 use outbox_tests::on_every_backend;
 use outbox_tests::pg::TestDb;
-use sqlx::Postgres;
+use sqlx::{MySql, Postgres};
 use time::macros::datetime;
 use uuid::Uuid;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_scenario_ends_in_the_same_state_on_sqlite_and_postgres() {
+async fn the_scenario_ends_in_the_same_state_on_every_backend() {
     let dir = tempfile::tempdir().unwrap();
     let on_sqlite = scenario::on_sqlite_file(&dir.path().join("billing.db"))
         .await
@@ -29,6 +30,11 @@ async fn the_scenario_ends_in_the_same_state_on_sqlite_and_postgres() {
         .await
         .unwrap();
     assert_eq!(on_sqlite, on_postgres);
+    let db = TestMyDb::new().await;
+    let on_mysql = scenario::run::<MySql>(db.pool.clone(), TableNames::default())
+        .await
+        .unwrap();
+    assert_eq!(on_sqlite, on_mysql);
 
     // And that state is the scenario's, not just the same on both.
     let text = |s: &str| Some(s.to_owned());
