@@ -67,8 +67,17 @@ const AGGREGATE_SLOTS: u32 = 4096;
 /// The start of every transaction that takes the claim lock.
 const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
-/// A JSON array of ids as a table `j (id)`.
-const IDS: &str = "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j";
+/// The rows of `table` (as `alias`) whose `column` is in a JSON array of ids, read through
+/// `index`: the array first, then one index lookup per id. The order and the index are forced:
+/// for a small table MySQL would rather scan it, and a scan under an `UPDATE` waits for every
+/// row another transaction holds (an event a producer has not committed yet), not only for
+/// the rows it changes.
+fn by_ids(table: &str, alias: &str, index: &str, column: &str) -> String {
+    format!(
+        "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j
+         STRAIGHT_JOIN {table} AS {alias} FORCE INDEX ({index}) ON {alias}.{column} = j.id"
+    )
+}
 
 /// A JSON array of names as a table `j (name)`, compared as the tables compare names.
 const NAMES: &str = "(SELECT name COLLATE utf8mb4_bin AS name
@@ -251,6 +260,8 @@ impl Backend for MySql {
             params: ", (SELECT ? AS p1, ? AS p2, ? AS p3, ? AS p4, ? AS p5) AS p",
         };
         let line = first_line("last_error");
+        let index = |suffix: &str| names.backticked(suffix);
+        let events_by_id = by_ids(&outbox, "o", "PRIMARY", "id");
         MySqlQueries {
             lock: sql(format!(
                 "SELECT UTC_TIMESTAMP(6) FROM {claim_lock} WHERE id = 1 FOR UPDATE"
@@ -294,22 +305,26 @@ impl Backend for MySql {
                          WHERE d.dead_at IS NULL AND d.subscriber NOT IN {NAMES}),
                         UTC_TIMESTAMP(6)"
             )),
-            expired: sql(format!("SELECT count(*) FROM {claims} WHERE until < ?")),
+            // (A read, not a locking one: a claim a handler holds is not waited for here.)
+            expired: sql(format!("SELECT id FROM {claims} WHERE until < ?")),
             expire_events: sql(format!(
-                "UPDATE {outbox} AS o JOIN {claims} AS k ON k.id = o.claim_id
-                 SET o.claim_id = NULL, o.expired_claims = o.expired_claims + 1
-                 WHERE k.until < ? AND o.published_at IS NULL"
+                "UPDATE {} SET o.claim_id = NULL, o.expired_claims = o.expired_claims + 1
+                 WHERE o.published_at IS NULL",
+                by_ids(&outbox, "o", &index("_claim_idx"), "claim_id")
             )),
             expire_deliveries: sql(format!(
-                "UPDATE {deliveries} AS d JOIN {claims} AS k ON k.id = d.claim_id
-                 SET d.claim_id = NULL, d.expired_claims = d.expired_claims + 1
-                 WHERE k.until < ?"
+                "UPDATE {} SET d.claim_id = NULL, d.expired_claims = d.expired_claims + 1",
+                by_ids(&deliveries, "d", &index("_deliveries_claim_idx"), "claim_id")
             )),
             expire_holds: sql(format!(
-                "UPDATE {outbox} AS o JOIN {claims} AS k ON k.id = o.held_by
-                 SET o.held_by = NULL WHERE k.until < ?"
+                "UPDATE {} SET o.held_by = NULL",
+                by_ids(&outbox, "o", &index("_held_by_idx"), "held_by")
             )),
-            expire_claims: sql(format!("DELETE FROM {claims} WHERE until < ?")),
+            // (Only if it is still expired: a handler holding it may have had it renewed.)
+            expire_claims: sql(format!(
+                "DELETE k FROM {} WHERE k.until < ?",
+                by_ids(&claims, "k", "PRIMARY", "id")
+            )),
             // The next pending events nothing holds, in id order, and the parked ones due; each
             // with the first earlier unpublished event of its aggregate that is not a candidate
             // (what it must wait for), and that event's claim and holds.
@@ -403,7 +418,7 @@ ORDER BY h.n, f.event_id"#
                 "INSERT INTO {claims} (until, claimed_at) VALUES (?, ?)"
             )),
             claim_events: sql(format!(
-                "UPDATE {outbox} AS o JOIN {IDS} ON o.id = j.id SET o.claim_id = ?"
+                "UPDATE {events_by_id} SET o.claim_id = ?"
             )),
             claimed_events: sql(format!(
                 "SELECT id, aggregate_type, aggregate_id, event_type, payload, occurred_at,
@@ -421,9 +436,9 @@ ORDER BY h.n, f.event_id"#
                  ORDER BY o.id, d.subscriber"
             )),
             claim_deliveries: sql(format!(
-                "UPDATE {deliveries} AS d
-                 JOIN JSON_TABLE(?, '$[*]' COLUMNS (s VARCHAR(255) PATH '$[0]',
-                                                   e BIGINT PATH '$[1]')) AS j
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (s VARCHAR(255) PATH '$[0]',
+                                                     e BIGINT PATH '$[1]')) AS j
+                 STRAIGHT_JOIN {deliveries} AS d FORCE INDEX (PRIMARY)
                    ON d.subscriber = j.s COLLATE utf8mb4_bin AND d.event_id = j.e
                  SET d.claim_id = ?"
             )),
@@ -453,11 +468,11 @@ ORDER BY h.n, f.event_id"#
             )),
             end_claim: sql(format!("DELETE FROM {claims} WHERE id = ? AND until >= ?")),
             publish: sql(format!(
-                "UPDATE {outbox} AS o JOIN {IDS} ON o.id = j.id
-                 SET o.published_at = ?, o.claim_id = NULL"
+                "UPDATE {events_by_id} SET o.published_at = ?, o.claim_id = NULL"
             )),
             unhold_behind: sql(format!(
-                "UPDATE {outbox} AS o JOIN {IDS} ON o.held_behind = j.id SET o.held_behind = NULL"
+                "UPDATE {} SET o.held_behind = NULL",
+                by_ids(&outbox, "o", &index("_held_behind_idx"), "held_behind")
             )),
             park: sql(format!(
                 "UPDATE {outbox}
@@ -489,16 +504,17 @@ ORDER BY h.n, f.event_id"#
                 "UPDATE {deliveries} SET claim_id = NULL WHERE claim_id = ?"
             )),
             requeue_events: sql(format!(
-                "UPDATE {outbox} AS o JOIN {IDS} ON o.id = j.id
+                "UPDATE {events_by_id}
                  SET o.dead_at = NULL, o.next_retry_at = NULL, o.retry_count = 0,
                      o.last_error = NULL
                  WHERE o.published_at IS NULL
                    AND (o.dead_at IS NOT NULL OR o.next_retry_at IS NOT NULL)"
             )),
             requeue_event_deliveries: sql(format!(
-                "UPDATE {deliveries} AS d JOIN {IDS} ON d.event_id = j.id
+                "UPDATE {}
                  SET d.dead_at = NULL, d.attempts = 0, d.next_retry_at = ?, d.last_error = NULL
-                 WHERE d.dead_at IS NOT NULL"
+                 WHERE d.dead_at IS NOT NULL",
+                by_ids(&deliveries, "d", &index("_deliveries_event_idx"), "event_id")
             )),
             requeue_subscriber: sql(format!(
                 "UPDATE {deliveries}
@@ -608,7 +624,7 @@ LIMIT ?"#
             )),
             // (What a delivery still holds stays, whatever the examination saw.)
             purge: sql(format!(
-                "DELETE o FROM {outbox} AS o JOIN {IDS} ON o.id = j.id
+                "DELETE o FROM {events_by_id}
                  WHERE NOT EXISTS (SELECT 1 FROM {deliveries} AS d WHERE d.event_id = o.id)"
             )),
         }
@@ -734,22 +750,27 @@ LIMIT ?"#
         let old = minus(now, hold_after(lease));
 
         // Expired claims end: their work is free again, and counts a redelivery.
-        let expired: i64 = sqlx::query_scalar(queries.expired.clone())
+        let expired: Vec<i64> = sqlx::query_scalar(queries.expired.clone())
             .bind(now)
-            .fetch_one(&mut *tx)
+            .fetch_all(&mut *tx)
             .await?;
-        if expired > 0 {
+        if !expired.is_empty() {
+            let expired = json!(expired).to_string();
             for query in [
                 &queries.expire_events,
                 &queries.expire_deliveries,
                 &queries.expire_holds,
-                &queries.expire_claims,
             ] {
                 sqlx::query(query.clone())
-                    .bind(now)
+                    .bind(&expired)
                     .execute(&mut *tx)
                     .await?;
             }
+            sqlx::query(queries.expire_claims.clone())
+                .bind(&expired)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?;
         }
 
         // Which candidates wait, and which of those are set aside (and behind what).

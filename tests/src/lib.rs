@@ -17,6 +17,7 @@ pub mod pg;
 pub mod process;
 pub mod seed;
 pub mod server;
+pub mod workers;
 
 pub mod events {
     //! Test events covering every form the derive supports.

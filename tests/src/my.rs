@@ -82,6 +82,26 @@ impl TestMyDb {
     pub fn name(&self) -> &str {
         &self.name
     }
+
+    /// Kills every session on the test database but the one of `conn` (a connection to it):
+    /// as a database restart or a proxy would. Returns how many.
+    pub async fn kill_sessions(&self, conn: &mut MySqlConnection) -> usize {
+        let sessions: Vec<i64> = sqlx::query_scalar(
+            "SELECT id FROM information_schema.processlist
+             WHERE db = ? AND id <> CONNECTION_ID()",
+        )
+        .bind(&self.name)
+        .fetch_all(&mut *conn)
+        .await
+        .expect("list the sessions");
+        for id in &sessions {
+            // (A session may end by itself meanwhile.)
+            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+                .execute(&mut *conn)
+                .await;
+        }
+        sessions.len()
+    }
 }
 
 impl Drop for TestMyDb {
@@ -96,11 +116,7 @@ impl Drop for TestMyDb {
                 .expect("a runtime for cleanup")
                 .block_on(async move {
                     let mut conn = MySqlConnection::connect(&admin_url()).await?;
-                    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                        "DROP DATABASE IF EXISTS `{name}`"
-                    )))
-                    .execute(&mut conn)
-                    .await?;
+                    drop_database(&mut conn, &name).await?;
                     conn.close().await
                 })
         })
@@ -125,11 +141,30 @@ async fn drop_stale(conn: &mut MySqlConnection, now: u64) {
             .and_then(|rest| rest.split('_').next())
             .and_then(|secs| secs.parse::<u64>().ok());
         if created.is_some_and(|created| created + STALE_AFTER_SECS < now) {
-            let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-                "DROP DATABASE IF EXISTS `{name}`"
-            )))
-            .execute(&mut *conn)
-            .await;
+            let _ = drop_database(conn, &name).await;
         }
     }
+}
+
+/// Ends the sessions on database `name` (a session in a transaction would hold `DROP
+/// DATABASE` back: a relay task of a test that failed, say), then drops it.
+async fn drop_database(conn: &mut MySqlConnection, name: &str) -> sqlx::Result<()> {
+    let sessions: Vec<i64> = sqlx::query_scalar(
+        "SELECT id FROM information_schema.processlist WHERE db = ? AND id <> CONNECTION_ID()",
+    )
+    .bind(name)
+    .fetch_all(&mut *conn)
+    .await?;
+    for id in sessions {
+        // (A session may end by itself meanwhile.)
+        let _ = sqlx::raw_sql(sqlx::AssertSqlSafe(format!("KILL CONNECTION {id}")))
+            .execute(&mut *conn)
+            .await;
+    }
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE IF EXISTS `{name}`"
+    )))
+    .execute(&mut *conn)
+    .await?;
+    Ok(())
 }

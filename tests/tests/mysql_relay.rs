@@ -1,0 +1,156 @@
+//! Relay behaviour that needs a MySQL server to show: a late commit (InnoDB takes ids at insert,
+//! not at commit), surviving killed sessions, and holding no transaction open while handlers
+//! run. The behaviour shared with the other backends is in `relay.rs` and the others.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::{Relay, RelayConfig};
+use outbox_sqlx::Outbox;
+use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Probe, wait_for};
+use outbox_tests::my::TestMyDb;
+use sqlx::MySql;
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+type TestOutbox = Outbox<MySql, PingPong>;
+
+fn config() -> RelayConfig {
+    RelayConfig::default()
+        .with_poll_interval(Duration::from_millis(20))
+        .with_max_error_backoff(Duration::from_millis(200))
+}
+
+async fn setup() -> (TestMyDb, TestOutbox) {
+    let db = TestMyDb::new().await;
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await.expect("migrate");
+    (db, outbox)
+}
+
+async fn publish_one(outbox: &TestOutbox, aggregate: Uuid, seq: u32) {
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Ping { aggregate, seq }).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
+/// The sessions on the test database other than the one asking.
+const OTHER_SESSIONS: &str = "FROM information_schema.processlist
+                              WHERE db = ? AND id <> CONNECTION_ID()";
+
+#[tokio::test]
+async fn a_late_commit_is_delivered_and_in_order_within_its_aggregate() {
+    let (_db, outbox) = setup().await;
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), OnlyX::new(&probe), config()).unwrap();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+
+    // A transaction takes the first id and stays open...
+    let mut late = outbox.begin().await.unwrap();
+    late.publish(&Ping {
+        aggregate: a,
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    // ...while later ids commit, of another aggregate...
+    publish_one(&outbox, b, 1).await;
+    publish_one(&outbox, b, 2).await;
+    // ...and of the same aggregate, whose writer waits for the late one.
+    let same_aggregate = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { publish_one(&outbox, a, 2).await }
+    });
+    outbox_tests::kit::run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 2
+    })
+    .await;
+    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
+
+    late.commit().await.unwrap();
+    same_aggregate.await.unwrap();
+    outbox_tests::kit::run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 4
+    })
+    .await;
+    assert_eq!(
+        probe.delivered_to("x"),
+        [(b, 1), (b, 2), (a, 1), (a, 2)],
+        "the late event is delivered, before its aggregate's next one"
+    );
+    let ids: Vec<(i64, u32)> = probe
+        .seen()
+        .iter()
+        .filter(|s| s.aggregate == a)
+        .map(|s| (s.event_id, s.seq))
+        .collect();
+    assert!(
+        ids[0].0 < ids[1].0,
+        "the late event took the lower id: {ids:?}"
+    );
+    assert_eq!(ids[0].0, 1, "and the first id of all: {ids:?}");
+}
+
+#[tokio::test]
+async fn the_relay_survives_its_connections_being_killed() {
+    let (db, outbox) = setup().await;
+    let relay_outbox: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 2).await);
+    let probe = Probe::default();
+    let relay = Arc::new(Relay::new(relay_outbox.store(), OnlyX::new(&probe), config()).unwrap());
+    let stop = Arc::new(Notify::new());
+    let worker = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop.notified()).await }
+    });
+    let a = Uuid::new_v4();
+    publish_one(&outbox, a, 1).await;
+    wait_for(|| probe.delivered_to("x").len() == 1).await;
+
+    let mut admin = db.pool.acquire().await.unwrap();
+    for round in 2..=4 {
+        let killed = db.kill_sessions(&mut admin).await;
+        assert!(killed >= 1, "round {round}: no session to kill");
+        publish_one(&outbox, a, round).await;
+        wait_for(|| probe.delivered_to("x").len() == round as usize).await;
+    }
+    stop.notify_one();
+    worker.await.unwrap();
+    assert_eq!(probe.delivered_to("x"), [(a, 1), (a, 2), (a, 3), (a, 4)]);
+}
+
+#[tokio::test]
+async fn no_relay_transaction_stays_open_while_handlers_run() {
+    let (db, outbox) = setup().await;
+    let relay_outbox: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 2).await);
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    let relay = Relay::new(relay_outbox.store(), OnlyX::new(&probe), config()).unwrap();
+    publish_one(&outbox, a, 1).await;
+    let task = tokio::spawn(async move { relay.run_once().await });
+    entered.notified().await;
+
+    let open: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM information_schema.innodb_trx
+         WHERE trx_mysql_thread_id IN (SELECT id {OTHER_SESSIONS})"
+    )))
+    .bind(db.name())
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(
+        open, 0,
+        "a relay session holds a transaction while a handler runs"
+    );
+    release.notify_one();
+    assert_eq!(task.await.unwrap().unwrap().delivered, 1);
+}
