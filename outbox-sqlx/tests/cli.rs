@@ -1,5 +1,5 @@
 //! The `outbox` binary against a real PostgreSQL: every subcommand, in tables and in JSON, bad
-//! arguments, and databases it cannot use.
+//! arguments, and databases it cannot use; and on SQLite and MySQL.
 
 use std::process::{Command, Output};
 use std::time::Duration;
@@ -7,9 +7,10 @@ use std::time::Duration;
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
 use outbox_tests::kit::{Fail, Ping, PingPong, Probe, XAndY, run_until};
+use outbox_tests::my::TestMyDb;
 use outbox_tests::pg::{TestDb, publish_for_operators};
 use serde_json::{Value, json};
-use sqlx::Postgres;
+use sqlx::{MySql, Postgres};
 use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -564,10 +565,12 @@ async fn databases_it_cannot_use_are_clear_errors() {
         "{stderr}"
     );
     assert!(took < Duration::from_secs(2), "took {took:?}");
-    let mysql = ["--database-url", "mysql://root@127.0.0.1/test", "status"];
-    let stderr = fails(None, &mysql, 2);
+    let redis = ["--database-url", "redis://127.0.0.1/0", "status"];
+    let stderr = fails(None, &redis, 2);
     assert!(
-        stderr.contains("unsupported database URL `mysql`"),
+        stderr.contains(
+            "unsupported database URL `redis`: use postgres://..., mysql://... or sqlite://..."
+        ),
         "{stderr}"
     );
     let db = TestDb::new().await;
@@ -683,4 +686,55 @@ fn sqlite_files_work_too() {
         Value::Null,
         "{status}"
     );
+}
+
+/// On MySQL / MariaDB: migrate, what the relay left (a parked event, a dead delivery) in
+/// `status` and the lists, a requeue with its reason, and the record of it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mysql_databases_work_too() {
+    let db = TestMyDb::new().await;
+    let url = db.url();
+    let run = |args: &[&str]| {
+        let output = outbox(&[&["--database-url", url.as_str()], args].concat());
+        assert!(
+            output.status.success(),
+            "outbox {args:?}: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        String::from_utf8(output.stdout).unwrap()
+    };
+    let json = |args: &[&str]| -> Value {
+        serde_json::from_str(&run(&[args, &["--json"]].concat())).expect("JSON output")
+    };
+    assert!(run(&["migrate"]).contains("up to date"));
+    let outbox: Outbox<MySql, PingPong> = Outbox::new(db.pool.clone());
+    let probe = Probe::default();
+    let doomed = publish_for_operators(&outbox, &probe).await;
+    let relay = Relay::new(outbox.store(), XAndY::new(&probe), RelayConfig::default()).unwrap();
+    run_until(&relay, WAIT, || probe.delivered_to("x").len() == 2).await;
+
+    let status = json(&["status"]);
+    assert_eq!(status["states"]["parked"], 1, "{status}");
+    assert_eq!(status["states"]["dead"], 1, "{status}");
+    let dead = json(&["list", "--state", "dead"]);
+    assert_eq!(dead[0]["subscriber"], "y", "{dead}");
+    assert_eq!(dead[0]["aggregate_id"], doomed.to_string(), "{dead}");
+    let parked = json(&["list", "--state", "parked"]);
+    assert_eq!(parked[0]["event_type"], "Pong", "{parked}");
+    let groups = json(&["dead-letters", "groups"]);
+    assert_eq!(groups[0]["dead"], 1, "{groups}");
+
+    let out = run(&[
+        "requeue",
+        "--subscriber",
+        "y",
+        "--reason",
+        "fixed the handler",
+    ]);
+    assert!(out.contains("requeued 1"), "{out}");
+    let requeues = json(&["requeues"]);
+    assert_eq!(requeues[0]["reason"], "fixed the handler", "{requeues}");
+    assert_eq!(requeues[0]["requeued"], 1, "{requeues}");
+    run_until(&relay, WAIT, || probe.delivered_to("y").len() == 2).await;
+    assert_eq!(json(&["status"])["states"]["dead"], 0);
 }

@@ -159,8 +159,8 @@ async fn drop_stale(conn: &mut PgConnection, now: u64) {
 /// What the operator tools are tried on: publishes a `Ping` on a fresh aggregate, a `Ping` on
 /// an aggregate whose delivery to `y` will fail permanently once (`probe` is told), and a `Pong`
 /// (which `XAndY` does not route, so its relay parks it). Returns the doomed aggregate.
-pub async fn publish_for_operators(
-    outbox: &outbox_sqlx::Outbox<sqlx::Postgres, crate::kit::PingPong>,
+pub async fn publish_for_operators<B: outbox_sqlx::Backend>(
+    outbox: &outbox_sqlx::Outbox<B, crate::kit::PingPong>,
     probe: &crate::kit::Probe,
 ) -> uuid::Uuid {
     use crate::kit::{Fail, Ping, Pong};

@@ -34,7 +34,7 @@ use time::format_description::well_known::Rfc3339;
     about = "Operate a transactional outbox: migrations, status, dead letters, retention"
 )]
 struct Cli {
-    /// The database: postgres://user@host/db or sqlite://path/to/file.db
+    /// The database: postgres://user@host/db, mysql://user@host/db or sqlite://path/to/file.db
     #[arg(long, env = "DATABASE_URL", global = true)]
     database_url: Option<String>,
     /// The schema of the outbox tables (PostgreSQL only)
@@ -316,9 +316,16 @@ async fn connect_and_run(cli: &Cli) -> Result<String, Failure> {
         run(connect::<sqlx::Postgres>(url).await?, names, cli).await
     } else if url.starts_with("sqlite:") {
         run(connect::<sqlx::Sqlite>(url).await?, names, cli).await
+    } else if url.starts_with("mysql://") || url.starts_with("mariadb://") {
+        run(
+            connect::<sqlx::MySql>(&url.replacen("mariadb://", "mysql://", 1)).await?,
+            names,
+            cli,
+        )
+        .await
     } else {
         Err(Failure::usage(format!(
-            "unsupported database URL `{}`: use postgres://... or sqlite://...",
+            "unsupported database URL `{}`: use postgres://..., mysql://... or sqlite://...",
             url.split(':').next().unwrap_or(url)
         )))
     }
