@@ -8,7 +8,8 @@
 //!
 //! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
 //! `failures`, `transactional` (h), `nats` (i: needs a NATS server with JetStream at
-//! 127.0.0.1:4222 or `NATS_URL`), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
+//! 127.0.0.1:4222 or `NATS_URL`), `mysql` (j: producer and drain on MySQL / MariaDB at
+//! 127.0.0.1:3306 or `MYSQL_URL`), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
 //! `--pressure-minutes N` (5),
@@ -34,6 +35,8 @@ use outbox_sqlx::Outbox;
 use outbox_tests::pg::TestDb;
 use serde::{Deserialize, Serialize};
 
+#[path = "outbox/mysql.rs"]
+mod mysql;
 #[path = "outbox/nats.rs"]
 mod nats;
 #[path = "outbox/pressure.rs"]
@@ -151,6 +154,7 @@ fn options() -> Options {
             "failures",
             "transactional",
             "nats",
+            "mysql",
         ]
         .map(str::to_owned)
         .to_vec();
@@ -982,6 +986,15 @@ async fn main() {
                 work::transactional_handlers(options.runs, &options.config()).await;
             }
             "nats" => nats::relay_to_jetstream(options.runs, &options.config()).await,
+            "mysql" => {
+                mysql::mysql(
+                    options.runs,
+                    options.seconds,
+                    options.events,
+                    &options.config(),
+                )
+                .await;
+            }
             "pressure" => {
                 let half = sustained_half(&options).await;
                 pressure::pressure(half, options.pressure_minutes, 2).await;

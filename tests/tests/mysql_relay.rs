@@ -154,3 +154,67 @@ async fn no_relay_transaction_stays_open_while_handlers_run() {
     release.notify_one();
     assert_eq!(task.await.unwrap().unwrap().delivered, 1);
 }
+
+/// A transaction that publishes for an aggregate another open transaction published for waits
+/// for it (so that their ids follow commit order), and holds nothing else back meanwhile:
+/// publishers of other aggregates commit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_waiting_for_its_aggregate_holds_no_other_aggregate_back() {
+    let (db, outbox) = setup().await;
+    // Fixed ids, so that the two aggregates lock different rows whatever the run.
+    let (a, b) = (Uuid::nil(), Uuid::from_u128(1));
+    let mut first = outbox.begin().await.unwrap();
+    first
+        .publish(&Ping {
+            aggregate: a,
+            seq: 1,
+        })
+        .await
+        .unwrap();
+    let second = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { publish_one(&outbox, a, 2).await }
+    });
+    wait_for_lock_wait(&db).await;
+    tokio::time::timeout(Duration::from_secs(5), publish_one(&outbox, b, 1))
+        .await
+        .expect("another aggregate's publisher was held back");
+    assert!(!second.is_finished(), "the second publisher of `a` waits");
+    first.commit().await.unwrap();
+    second.await.unwrap();
+    let ids: Vec<(i64, Vec<u8>)> =
+        sqlx::query_as("SELECT id, aggregate_id FROM outbox ORDER BY id")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+    let ids: Vec<(i64, Uuid)> = ids
+        .into_iter()
+        .map(|(id, aggregate)| (id, Uuid::from_slice(&aggregate).unwrap()))
+        .collect();
+    assert_eq!(
+        ids.iter().map(|(_, a)| *a).collect::<Vec<_>>(),
+        [a, b, a],
+        "{ids:?}"
+    );
+}
+
+/// Waits until a session on the test database is in its aggregate's lock statement (the server
+/// shows a wait there as the statement's "Statistics" state, not always in `innodb_trx`).
+async fn wait_for_lock_wait(db: &TestMyDb) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.processlist
+             WHERE db = ? AND info LIKE '%aggregate_locks%FOR UPDATE%'",
+        )
+        .bind(db.name())
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting > 0 {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "no publisher waits");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

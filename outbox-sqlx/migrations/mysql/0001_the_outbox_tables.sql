@@ -32,9 +32,16 @@ CREATE TABLE {outbox} (
     -- When a parked event is due; NULL for every other.
     parked_until    DATETIME(6) AS (IF(published_at IS NULL AND dead_at IS NULL,
                                        next_retry_at, NULL)) VIRTUAL,
+    -- 1 for an unpublished event that is not pending (claimed, set aside, parked or dead): when
+    -- there is none, no pending event waits for an earlier one.
+    stalled         TINYINT AS (IF(published_at IS NULL
+                                   AND NOT (dead_at IS NULL AND next_retry_at IS NULL
+                                            AND claim_id IS NULL AND held_by IS NULL
+                                            AND held_behind IS NULL), 1, NULL)) VIRTUAL,
     -- The aggregate of an unpublished event; NULL once it is published.
     unpublished_aggregate BINARY(16) AS (IF(published_at IS NULL, aggregate_id, NULL)) VIRTUAL,
     INDEX {pending_idx} (pending, id),
+    INDEX {stalled_idx} (stalled),
     INDEX {parked_idx} (parked_until),
     INDEX {aggregate_idx} (unpublished_aggregate, aggregate_type, id),
     INDEX {held_by_idx} (held_by),
@@ -62,6 +69,7 @@ CREATE TABLE {deliveries} (
     due_at          DATETIME(6) AS (IF(dead_at IS NULL, next_retry_at, NULL)) VIRTUAL,
     PRIMARY KEY (subscriber, event_id),
     INDEX {deliveries_head_idx} (subscriber, aggregate_id, aggregate_type, event_id),
+    INDEX {deliveries_aggregate_idx} (aggregate_id, aggregate_type, subscriber),
     INDEX {deliveries_due_idx} (due_at),
     INDEX {deliveries_event_idx} (event_id),
     INDEX {deliveries_claim_idx} (claim_id),

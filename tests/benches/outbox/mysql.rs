@@ -1,0 +1,286 @@
+//! (j) MySQL / MariaDB: the producer and the drain, each against raw sqlx on the same server, in
+//! the same way as (a) and (b) on PostgreSQL: ours and raw alternate in half-second slices on
+//! one database.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use outbox_core::{Relay, RelayConfig};
+use outbox_sqlx::Outbox;
+use outbox_tests::my::TestMyDb;
+use sqlx::{MySql, MySqlPool};
+use uuid::Uuid;
+
+use super::{Bench, Deposited, Ledger, Meter, SLICE, report};
+
+async fn setup(accounts: usize) -> (TestMyDb, Outbox<MySql, Bench>, Vec<Uuid>) {
+    let db = TestMyDb::new().await;
+    let pool = TestMyDb::connect(&db.url(), 40).await;
+    let outbox: Outbox<MySql, Bench> = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    sqlx::query("CREATE TABLE accounts (id BINARY(16) PRIMARY KEY, balance BIGINT NOT NULL)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let ids: Vec<Uuid> = (0..accounts).map(|_| Uuid::new_v4()).collect();
+    for chunk in ids.chunks(1000) {
+        let mut insert = sqlx::QueryBuilder::new("INSERT INTO accounts (id, balance) ");
+        insert.push_values(chunk, |mut row, id| {
+            row.push_bind(*id).push_bind(0_i64);
+        });
+        insert.build().execute(&pool).await.unwrap();
+    }
+    (db, outbox, ids)
+}
+
+/// Commits per second of 16 tasks each running domain update + event + commit, ours and raw
+/// alternating every [`SLICE`]: (ours, raw).
+async fn producer(seconds: u64) -> (f64, f64) {
+    let (_db, outbox, ids) = setup(1000).await;
+    let pool = outbox.pool().clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let raw_mode = Arc::new(AtomicBool::new(false));
+    let commits = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
+    let mut tasks = Vec::new();
+    for task in 0..16 {
+        let (outbox, pool, ids, stop, raw_mode, commits) = (
+            outbox.clone(),
+            pool.clone(),
+            ids.clone(),
+            stop.clone(),
+            raw_mode.clone(),
+            commits.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            let mut seq = task as u64 * 1_000_000_000;
+            while !stop.load(Ordering::Relaxed) {
+                seq += 1;
+                let raw = raw_mode.load(Ordering::Relaxed);
+                let account = ids[fastrand::usize(..ids.len())];
+                let event = Deposited {
+                    account,
+                    seq,
+                    amount: 1,
+                };
+                let update = "UPDATE accounts SET balance = balance + 1 WHERE id = ?";
+                if raw {
+                    let mut tx = pool.begin().await.unwrap();
+                    sqlx::query(update)
+                        .bind(account)
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    let payload =
+                        outbox_core::encode(&event, &outbox_core::Metadata::new()).unwrap();
+                    sqlx::query(
+                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload,
+                                             occurred_at)
+                         VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6))",
+                    )
+                    .bind("account")
+                    .bind(account)
+                    .bind("Deposited")
+                    .bind(payload)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                    tx.commit().await.unwrap();
+                } else {
+                    let mut tx = outbox.begin().await.unwrap();
+                    sqlx::query(update)
+                        .bind(account)
+                        .execute(&mut *tx)
+                        .await
+                        .unwrap();
+                    tx.publish(&event).await.unwrap();
+                    tx.commit().await.unwrap();
+                }
+                // A commit counts for the mode it started in.
+                commits[usize::from(raw)].fetch_add(1, Ordering::Relaxed);
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let mut time = [Duration::ZERO; 2];
+    let mut counted = [0_u64; 2];
+    let slices = (seconds * 1000 / SLICE.as_millis() as u64).max(1) * 2;
+    for slice in 0..slices {
+        let raw = slice % 2 == 1;
+        raw_mode.store(raw, Ordering::Relaxed);
+        // Skip commits that started in the previous slice.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        let (start, before) = (
+            Instant::now(),
+            commits[usize::from(raw)].load(Ordering::Relaxed),
+        );
+        tokio::time::sleep(SLICE).await;
+        time[usize::from(raw)] += start.elapsed();
+        counted[usize::from(raw)] += commits[usize::from(raw)].load(Ordering::Relaxed) - before;
+    }
+    stop.store(true, Ordering::Relaxed);
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let rate = |i: usize| counted[i] as f64 / time[i].as_secs_f64();
+    (rate(0), rate(1))
+}
+
+/// A backlog of `events` over the accounts, in turn, with the payloads `publish` writes.
+async fn prefill(pool: &MySqlPool, events: u64) {
+    sqlx::query(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+         WITH RECURSIVE d (n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM d WHERE n < 999),
+         g (n) AS (SELECT a.n * 1000 + b.n + 1 FROM d AS a CROSS JOIN d AS b)
+         SELECT 'account', a.id, 'Deposited',
+                JSON_OBJECT('version', 1,
+                    'data', JSON_OBJECT('account', LOWER(CONCAT_WS('-',
+                        HEX(SUBSTR(a.id, 1, 4)), HEX(SUBSTR(a.id, 5, 2)), HEX(SUBSTR(a.id, 7, 2)),
+                        HEX(SUBSTR(a.id, 9, 2)), HEX(SUBSTR(a.id, 11, 6)))),
+                        'seq', g.n, 'amount', 1),
+                    'metadata', JSON_OBJECT('causation_id', NULL, 'correlation_id', NULL)),
+                UTC_TIMESTAMP(6)
+         FROM g
+         JOIN (SELECT id, row_number() OVER (ORDER BY id) - 1 AS n FROM accounts) AS a
+           ON a.n = g.n % (SELECT count(*) FROM accounts)
+         WHERE g.n <= ?
+         ORDER BY g.n",
+    )
+    .bind(i64::try_from(events).unwrap())
+    .execute(pool)
+    .await
+    .unwrap();
+    sqlx::query("ANALYZE TABLE outbox")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
+/// One cycle of the raw drain: claim 500 with `SKIP LOCKED`, mark them published, commit;
+/// returns how many it claimed.
+async fn raw_batch(pool: &MySqlPool) -> u64 {
+    let mut tx = pool.begin().await.unwrap();
+    let rows: Vec<(i64, String)> = sqlx::query_as(
+        "SELECT id, payload FROM outbox
+         WHERE published_at IS NULL ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED",
+    )
+    .fetch_all(&mut *tx)
+    .await
+    .unwrap();
+    if !rows.is_empty() {
+        let mut update = sqlx::QueryBuilder::new(
+            "UPDATE outbox SET published_at = UTC_TIMESTAMP(6) WHERE id IN (",
+        );
+        let mut ids = update.separated(", ");
+        for (id, _) in &rows {
+            ids.push_bind(*id);
+        }
+        update.push(")");
+        update.build().execute(&mut *tx).await.unwrap();
+    }
+    tx.commit().await.unwrap();
+    rows.len() as u64
+}
+
+/// Drains a backlog of `events`, ours (`Relay::run`) and the raw loop alternating every
+/// [`SLICE`] on the same table: events per second of each.
+async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
+    let (_db, outbox, _) = setup(10_000).await;
+    let pool = outbox.pool().clone();
+    prefill(&pool, events).await;
+    let meter = Meter::default();
+    let relay = Arc::new(
+        Relay::new(
+            outbox.store(),
+            Bench {
+                ledger: Ledger(meter.clone()),
+            },
+            config,
+        )
+        .unwrap(),
+    );
+    let (mut time, mut done) = ([Duration::ZERO; 2], [0_u64; 2]);
+    let mut mode = 0;
+    loop {
+        let start = Instant::now();
+        let delivered = if mode == 0 {
+            let before = meter.delivered.load(Ordering::Relaxed);
+            let rest = events - done[1];
+            let (relay, meter) = (relay.clone(), meter.clone());
+            tokio::spawn(async move {
+                relay
+                    .run(async {
+                        while start.elapsed() < SLICE
+                            && meter.delivered.load(Ordering::Relaxed) < rest
+                        {
+                            tokio::time::sleep(Duration::from_millis(1)).await;
+                        }
+                    })
+                    .await;
+                meter.delivered.load(Ordering::Relaxed) - before
+            })
+            .await
+            .unwrap()
+        } else {
+            let pool = pool.clone();
+            tokio::spawn(async move {
+                let mut delivered = 0;
+                while start.elapsed() < SLICE {
+                    let n = raw_batch(&pool).await;
+                    if n == 0 {
+                        break;
+                    }
+                    delivered += n;
+                }
+                delivered
+            })
+            .await
+            .unwrap()
+        };
+        time[mode] += start.elapsed();
+        done[mode] += delivered;
+        if done.iter().sum::<u64>() >= events {
+            break;
+        }
+        mode = 1 - mode;
+    }
+    assert_eq!(done.iter().sum::<u64>(), events, "every event drained once");
+    let unpublished: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    assert_eq!(unpublished, 0, "every event recorded as published");
+    let rate = |i: usize| done[i] as f64 / time[i].as_secs_f64();
+    (rate(0), rate(1))
+}
+
+pub(crate) async fn mysql(runs: usize, seconds: u64, events: u64, config: &RelayConfig) {
+    let (mut ours, mut raw) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (o, r) = producer(seconds).await;
+        ours.push(o);
+        raw.push(r);
+    }
+    report("(j) MySQL producer, 16 tasks", "commits/s", &ours, &raw);
+    for (name, config) in [
+        ("defaults", RelayConfig::default()),
+        ("as given", config.clone()),
+    ] {
+        let (mut ours, mut raw) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            let (o, r) = drain(events, config.clone()).await;
+            ours.push(o);
+            raw.push(r);
+        }
+        report(
+            &format!(
+                "(j) MySQL drain {events}, {name} (batch {})",
+                config.batch_size()
+            ),
+            "events/s",
+            &ours,
+            &raw,
+        );
+    }
+}
