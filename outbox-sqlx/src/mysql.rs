@@ -106,6 +106,7 @@ pub struct MySqlQueries {
     candidates: SqlStr,
     blockers: SqlStr,
     mark: SqlStr,
+    share_claims: SqlStr,
     due_heads: SqlStr,
     /// The rows of each head's key from the head on, at most `share` of them (`{share}` is
     /// replaced by the offset of the last one).
@@ -367,6 +368,10 @@ LEFT JOIN {claims} AS k ON k.id = e.claim_id"#
             )),
             mark: sql(format!(
                 "UPDATE {outbox} SET held_by = ?, held_behind = ? WHERE id = ?"
+            )),
+            share_claims: sql(format!(
+                "SELECT k.id FROM {} LOCK IN SHARE MODE",
+                by_ids(&claims, "k", "PRIMARY", "id")
             )),
             // Due deliveries that are the first of their key: rows behind a head have no due
             // time and are not read here, however many wait. (Not those of subscribers left to
@@ -827,6 +832,9 @@ LIMIT ?"#
                 marks.push((id, mark));
             }
         }
+        // (Asks for another claim at once even when a mark is dropped: its event is free.)
+        let more = !marks.is_empty();
+        let marks = hold_behind_claims(&mut tx, queries, marks).await?;
         for (id, (by, behind)) in &marks {
             sqlx::query(queries.mark.clone())
                 .bind(by)
@@ -842,9 +850,7 @@ LIMIT ?"#
         };
         if claimable.is_empty() && due.is_empty() {
             tx.commit().await?;
-            return Ok(Batch::empty()
-                .with_more(!marks.is_empty())
-                .with_registry(Some(registry)));
+            return Ok(Batch::empty().with_more(more).with_registry(Some(registry)));
         }
         let token = i64::try_from(
             sqlx::query(queries.new_claim.clone())
@@ -913,7 +919,7 @@ LIMIT ?"#
         tx.commit().await?;
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(Batch::new(ClaimToken::new(token), claims)
-            .with_more(!marks.is_empty())
+            .with_more(more)
             .with_registry(Some(registry)))
     }
 
@@ -1045,7 +1051,19 @@ LIMIT ?"#
         outcomes: &Outcomes,
     ) -> Result<Recorded, sqlx::Error> {
         let token = token.get();
-        let (mut tx, now) = begin_locked(pool, queries).await?;
+        // A record that writes deliveries runs under the claim lock: a skip or a requeue (which
+        // hand a key's work back) and the claims (which read the keys' heads) see it whole. One
+        // that only settles its events does not wait for the claims: the only thing a claim
+        // writes that it reads is an event set aside behind this claim, and a claim does that
+        // only holding this claim's row (see `hold_behind_claims`), which the delete below
+        // waits for.
+        let (mut tx, now) = if outcomes.deliveries.is_empty() {
+            let mut tx = pool.begin_with(BEGIN).await?;
+            let now = queries.now(&mut tx).await?;
+            (tx, now)
+        } else {
+            begin_locked(pool, queries).await?
+        };
         let live = sqlx::query(queries.end_claim.clone())
             .bind(token)
             .bind(now)
@@ -1578,6 +1596,35 @@ async fn due_deliveries(
     due.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
     Ok(due)
 }
+
+/// The marks of events set aside behind a claim, kept only for claims that are still there, each
+/// of whose rows is locked (shared) for the rest of the transaction: a record deleting it (and
+/// then releasing what is held behind it) waits until these marks are committed, and a claim
+/// already recorded sets nothing aside behind it. Marks behind dead or parked events pass as
+/// they are. A mark dropped is not lost: the event stays a candidate for the next claim.
+async fn hold_behind_claims(
+    conn: &mut MySqlConnection,
+    queries: &MySqlQueries,
+    marks: Vec<Mark>,
+) -> Result<Vec<Mark>, sqlx::Error> {
+    let claims: BTreeSet<i64> = marks.iter().filter_map(|(_, (by, _))| *by).collect();
+    if claims.is_empty() {
+        return Ok(marks);
+    }
+    let live: BTreeSet<i64> = sqlx::query_scalar(queries.share_claims.clone())
+        .bind(json!(claims).to_string())
+        .fetch_all(conn)
+        .await?
+        .into_iter()
+        .collect();
+    Ok(marks
+        .into_iter()
+        .filter(|(_, (by, _))| by.is_none_or(|claim| live.contains(&claim)))
+        .collect())
+}
+
+/// An event set aside: (its id, (held by a claim, held behind an event)).
+type Mark = (i64, (Option<i64>, Option<i64>));
 
 /// The first unpublished event of an aggregate that is not among the claim's candidates, and
 /// what holds it.
