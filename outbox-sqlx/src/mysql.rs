@@ -114,7 +114,6 @@ pub struct MySqlQueries {
     first_of_key: SqlStr,
     make_due: SqlStr,
     new_claim: SqlStr,
-    claim_events: SqlStr,
     blocked_by: SqlStr,
     claim_deliveries: SqlStr,
     claimed_deliveries: SqlStr,
@@ -127,7 +126,6 @@ pub struct MySqlQueries {
     unhold_behind: SqlStr,
     park: SqlStr,
     kill: SqlStr,
-    release_events: SqlStr,
     unhold_by: SqlStr,
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
@@ -249,7 +247,10 @@ impl Backend for MySql {
             outbox: &outbox,
             deliveries: &deliveries,
             skips: &skips,
-            claimed_event: "o.claim_id IS NOT NULL".to_owned(),
+            claimed_event: format!(
+                "EXISTS (SELECT 1 FROM {claims} AS k
+                         WHERE JSON_CONTAINS(k.event_ids, CAST(o.id AS CHAR)))"
+            ),
             payload: "o.payload",
             param: |n, ty| match (n, ty) {
                 // `LIMIT` takes a placeholder, not a column.
@@ -262,6 +263,11 @@ impl Backend for MySql {
         let line = first_line("last_error");
         let index = |suffix: &str| names.backticked(suffix);
         let events_by_id = by_ids(&outbox, "o", "PRIMARY", "id");
+        // The events the live claims hold (and those of expired claims not yet ended).
+        let live = format!(
+            "(SELECT j.id FROM {claims} AS k,
+                  JSON_TABLE(k.event_ids, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j)"
+        );
         MySqlQueries {
             lock: sql(format!(
                 "SELECT UTC_TIMESTAMP(6) FROM {claim_lock} WHERE id = 1 FOR UPDATE"
@@ -295,7 +301,12 @@ impl Backend for MySql {
                                                       SEPARATOR ','), '')
                          FROM {relays}),
                         (SELECT coalesce(JSON_ARRAYAGG(id), '[]') FROM {claims} WHERE until < ?),
-                        EXISTS (SELECT 1 FROM {outbox} WHERE stalled = 1),
+                        (SELECT coalesce(JSON_ARRAYAGG(j.id), '[]')
+                         FROM {claims} AS k,
+                              JSON_TABLE(k.event_ids, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j
+                         WHERE k.until < ?),
+                        EXISTS (SELECT 1 FROM {outbox} WHERE stalled = 1)
+                            OR EXISTS (SELECT 1 FROM {claims}),
                         EXISTS (SELECT 1 FROM {deliveries})"
             )),
             unroutable: sql(format!(
@@ -313,9 +324,8 @@ impl Backend for MySql {
                         UTC_TIMESTAMP(6)"
             )),
             expire_events: sql(format!(
-                "UPDATE {} SET o.claim_id = NULL, o.expired_claims = o.expired_claims + 1
-                 WHERE o.published_at IS NULL",
-                by_ids(&outbox, "o", &index("_claim_idx"), "claim_id")
+                "UPDATE {events_by_id} SET o.expired_claims = o.expired_claims + 1
+                 WHERE o.published_at IS NULL"
             )),
             expire_deliveries: sql(format!(
                 "UPDATE {} SET d.claim_id = NULL, d.expired_claims = d.expired_claims + 1",
@@ -337,10 +347,11 @@ impl Backend for MySql {
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.occurred_at,
        c.retry_count, c.expired_claims
 FROM (
-    (SELECT * FROM {outbox} WHERE pending = 1 ORDER BY pending, id LIMIT ?)
+    (SELECT * FROM {outbox} WHERE pending = 1 AND id NOT IN {live}
+     ORDER BY pending, id LIMIT ?)
     UNION ALL
     (SELECT * FROM {outbox}
-     WHERE parked_until <= ? AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
+     WHERE parked_until <= ? AND held_by IS NULL AND held_behind IS NULL AND id NOT IN {live}
      ORDER BY parked_until LIMIT ?)
 ) AS c
 ORDER BY c.id"#
@@ -351,7 +362,7 @@ ORDER BY c.id"#
             // the aggregate above it waits for it.
             blockers: sql(format!(
                 r#"
-SELECT a.n, e.id, e.claim_id, k.claimed_at, e.held_by, e.held_behind
+SELECT a.n, e.id, k.id, k.claimed_at, e.held_by, e.held_behind
 FROM JSON_TABLE(?, '$[*]' COLUMNS (
          n FOR ORDINALITY,
          t VARCHAR(255) PATH '$[0]',
@@ -364,7 +375,7 @@ JOIN {outbox} AS e ON e.id = (
       AND x.id NOT IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS c)
     ORDER BY x.id
     LIMIT 1)
-LEFT JOIN {claims} AS k ON k.id = e.claim_id"#
+LEFT JOIN {claims} AS k ON JSON_CONTAINS(k.event_ids, CAST(e.id AS CHAR))"#
             )),
             mark: sql(format!(
                 "UPDATE {outbox} SET held_by = ?, held_behind = ? WHERE id = ?"
@@ -422,10 +433,7 @@ ORDER BY h.n, f.event_id"#
                 "UPDATE {deliveries} SET next_retry_at = ? WHERE subscriber = ? AND event_id = ?"
             )),
             new_claim: sql(format!(
-                "INSERT INTO {claims} (until, claimed_at) VALUES (?, ?)"
-            )),
-            claim_events: sql(format!(
-                "UPDATE {events_by_id} SET o.claim_id = ?"
+                "INSERT INTO {claims} (until, claimed_at, event_ids) VALUES (?, ?, ?)"
             )),
             // For each event of the claim ($1: their ids), the subscribers with a delivery of
             // its aggregate that this claim ($2) does not take: they run first, in its
@@ -472,7 +480,7 @@ ORDER BY h.n, f.event_id"#
             )),
             end_claim: sql(format!("DELETE FROM {claims} WHERE id = ? AND until >= ?")),
             publish: sql(format!(
-                "UPDATE {events_by_id} SET o.published_at = ?, o.claim_id = NULL"
+                "UPDATE {events_by_id} SET o.published_at = ?"
             )),
             unhold_behind: sql(format!(
                 "UPDATE {} SET o.held_behind = NULL",
@@ -480,15 +488,11 @@ ORDER BY h.n, f.event_id"#
             )),
             park: sql(format!(
                 "UPDATE {outbox}
-                 SET retry_count = retry_count + 1, last_error = ?, next_retry_at = ?,
-                     claim_id = NULL
+                 SET retry_count = retry_count + 1, last_error = ?, next_retry_at = ?
                  WHERE id = ?"
             )),
             kill: sql(format!(
-                "UPDATE {outbox} SET dead_at = ?, last_error = ?, claim_id = NULL WHERE id = ?"
-            )),
-            release_events: sql(format!(
-                "UPDATE {outbox} SET claim_id = NULL WHERE claim_id = ?"
+                "UPDATE {outbox} SET dead_at = ?, last_error = ? WHERE id = ?"
             )),
             unhold_by: sql(format!("UPDATE {outbox} SET held_by = NULL WHERE held_by = ?")),
             delete_delivery: sql(format!(
@@ -605,8 +609,9 @@ SELECT (SELECT count(*) FROM {outbox}
                 "SELECT retry_count AS attempts, last_error FROM {outbox}
                  WHERE id = ? AND published_at IS NULL
                    AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
-                   AND claim_id IS NULL
-                 FOR UPDATE"
+                   AND NOT {claimed}
+                 FOR UPDATE",
+                claimed = dialect.claimed_event
             )),
             skip_event: sql(format!(
                 "UPDATE {outbox} SET published_at = ?, dead_at = NULL, next_retry_at = NULL
@@ -757,18 +762,24 @@ LIMIT ?"#
         let until = plus(now, lease);
         let old = minus(now, hold_after(lease));
 
-        let (registry, expired, stalled, deliveries): (String, String, i64, i64) =
-            sqlx::query_as(queries.state.clone())
-                .bind(now)
-                .fetch_one(&mut *tx)
-                .await?;
+        let (registry, expired, expired_events, stalled, deliveries): (
+            String,
+            String,
+            String,
+            i64,
+            i64,
+        ) = sqlx::query_as(queries.state.clone())
+            .bind(now)
+            .bind(now)
+            .fetch_one(&mut *tx)
+            .await?;
         // Expired claims end: their work is free again, and counts a redelivery.
         if expired != "[]" {
-            for query in [
-                &queries.expire_events,
-                &queries.expire_deliveries,
-                &queries.expire_holds,
-            ] {
+            sqlx::query(queries.expire_events.clone())
+                .bind(&expired_events)
+                .execute(&mut *tx)
+                .await?;
+            for query in [&queries.expire_deliveries, &queries.expire_holds] {
                 sqlx::query(query.clone())
                     .bind(&expired)
                     .execute(&mut *tx)
@@ -852,10 +863,17 @@ LIMIT ?"#
             tx.commit().await?;
             return Ok(Batch::empty().with_more(more).with_registry(Some(registry)));
         }
+        let ids = claimable
+            .iter()
+            .map(|row| row.try_get("id"))
+            .collect::<Result<Vec<i64>, _>>()?;
+        let ids = json!(ids).to_string();
+        // The claim's row lists its events: the claim writes nothing else of them.
         let token = i64::try_from(
             sqlx::query(queries.new_claim.clone())
                 .bind(until)
                 .bind(now)
+                .bind(&ids)
                 .execute(&mut *tx)
                 .await?
                 .last_insert_id(),
@@ -888,16 +906,6 @@ LIMIT ?"#
             }
         }
         if !claimable.is_empty() {
-            let ids = claimable
-                .iter()
-                .map(|row| row.try_get("id"))
-                .collect::<Result<Vec<i64>, _>>()?;
-            let ids = json!(ids).to_string();
-            sqlx::query(queries.claim_events.clone())
-                .bind(&ids)
-                .bind(token)
-                .execute(&mut *tx)
-                .await?;
             let mut blocked: HashMap<i64, Vec<String>> = HashMap::new();
             if deliveries == 1 {
                 for (id, subscriber) in
@@ -1112,12 +1120,12 @@ LIMIT ?"#
                 .execute(&mut *tx)
                 .await?;
         }
-        for query in [&queries.release_events, &queries.unhold_by] {
-            sqlx::query(query.clone())
-                .bind(token)
-                .execute(&mut *tx)
-                .await?;
-        }
+        // (Events neither published, parked nor dead are free again: the claim's row, which
+        // listed them, is gone.)
+        sqlx::query(queries.unhold_by.clone())
+            .bind(token)
+            .execute(&mut *tx)
+            .await?;
         for d in &outcomes.deliveries {
             let upsert = |attempts: u32,
                           error: Option<&String>,

@@ -18,26 +18,25 @@ CREATE TABLE {outbox} (
     last_error      TEXT NULL,
     next_retry_at   DATETIME(6) NULL,
     dead_at         DATETIME(6) NULL,
-    -- The live claim that holds the event.
-    claim_id        BIGINT NULL,
     -- Set aside behind a claim that lasted (released when it is over) or behind a dead or
     -- parked event (released when that is published, skipped or requeued).
     held_by         BIGINT NULL,
     held_behind     BIGINT NULL,
     expired_claims  INT NOT NULL DEFAULT 0,
-    -- 1 for an event the relay's scan takes, in id order; NULL for every other.
+    -- 1 for an event the relay's scan takes, in id order (less those a live claim holds: they
+    -- are in its row, not marked here, so that claiming writes no event); NULL for every other.
     pending         TINYINT AS (IF(published_at IS NULL AND dead_at IS NULL
-                                   AND next_retry_at IS NULL AND claim_id IS NULL
+                                   AND next_retry_at IS NULL
                                    AND held_by IS NULL AND held_behind IS NULL, 1, NULL)) VIRTUAL,
     -- When a parked event is due; NULL for every other.
     parked_until    DATETIME(6) AS (IF(published_at IS NULL AND dead_at IS NULL,
                                        next_retry_at, NULL)) VIRTUAL,
-    -- 1 for an unpublished event that is not pending (claimed, set aside, parked or dead): when
-    -- there is none, no pending event waits for an earlier one.
+    -- 1 for an unpublished event set aside, parked or dead: when there is none (and no live
+    -- claim), no pending event waits for an earlier one.
     stalled         TINYINT AS (IF(published_at IS NULL
                                    AND NOT (dead_at IS NULL AND next_retry_at IS NULL
-                                            AND claim_id IS NULL AND held_by IS NULL
-                                            AND held_behind IS NULL), 1, NULL)) VIRTUAL,
+                                            AND held_by IS NULL AND held_behind IS NULL),
+                                   1, NULL)) VIRTUAL,
     -- The aggregate of an unpublished event; NULL once it is published.
     unpublished_aggregate BINARY(16) AS (IF(published_at IS NULL, aggregate_id, NULL)) VIRTUAL,
     INDEX {pending_idx} (pending, id),
@@ -46,7 +45,6 @@ CREATE TABLE {outbox} (
     INDEX {aggregate_idx} (unpublished_aggregate, aggregate_type, id),
     INDEX {held_by_idx} (held_by),
     INDEX {held_behind_idx} (held_behind),
-    INDEX {claim_idx} (claim_id),
     -- Purges go through old published events in this order, from where the last one stopped.
     INDEX {published_idx} (published_at, id)
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
@@ -77,10 +75,13 @@ CREATE TABLE {deliveries} (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- A claim's id is its token: renewals and outcomes name it and count only while it is live.
+-- The events it holds are listed in its row (a JSON array of ids): claiming writes one row, not
+-- one per event, and the events are free again the moment the row is gone.
 CREATE TABLE {claims} (
     id          BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
     until       DATETIME(6) NOT NULL,
     claimed_at  DATETIME(6) NOT NULL,
+    event_ids   LONGTEXT NOT NULL,
     INDEX claims_until_idx (until)
 ) ENGINE = InnoDB;
 
