@@ -67,6 +67,9 @@ const AGGREGATE_SLOTS: u32 = 4096;
 /// The start of every transaction that takes the claim lock.
 const BEGIN: &str = "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION";
 
+/// A JSON array of ids as a table `j (id)`.
+const IDS: &str = "JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j";
+
 /// The rows of `table` (as `alias`) whose `column` is in a JSON array of ids, read through
 /// `index`: the array first, then one index lookup per id. The order and the index are forced:
 /// for a small table MySQL would rather scan it, and a scan under an `UPDATE` waits for every
@@ -356,25 +359,29 @@ FROM (
 ) AS c
 ORDER BY c.id"#
             )),
-            // For each aggregate of the candidates ($1: [type, id as hex, last candidate id]),
+            // For each aggregate of the candidates ($2: [type, id as hex, last candidate id]),
             // its first unpublished event below its last candidate that is not a candidate
-            // ($2: the candidates' ids), with that event's claim and holds: every candidate of
-            // the aggregate above it waits for it.
+            // ($1: the candidates' ids), with that event's claim and holds: every candidate of
+            // the aggregate above it waits for it. (The blockers are found first, then read by
+            // primary key: joined on the subquery, the event table was scanned whole.)
             blockers: sql(format!(
                 r#"
-SELECT a.n, e.id, k.id, k.claimed_at, e.held_by, e.held_behind
-FROM JSON_TABLE(?, '$[*]' COLUMNS (
-         n FOR ORDINALITY,
-         t VARCHAR(255) PATH '$[0]',
-         a CHAR(32) PATH '$[1]',
-         last BIGINT PATH '$[2]')) AS a
-JOIN {outbox} AS e ON e.id = (
-    SELECT x.id FROM {outbox} AS x
-    WHERE x.unpublished_aggregate = UNHEX(a.a) AND x.aggregate_type = a.t COLLATE utf8mb4_bin
-      AND x.id < a.last
-      AND x.id NOT IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS c)
-    ORDER BY x.id
-    LIMIT 1)
+SELECT b.n, e.id, k.id, k.claimed_at, e.held_by, e.held_behind
+FROM (
+    SELECT a.n, (
+        SELECT x.id FROM {outbox} AS x
+        WHERE x.unpublished_aggregate = UNHEX(a.a) AND x.aggregate_type = a.t COLLATE utf8mb4_bin
+          AND x.id < a.last
+          AND x.id NOT IN (SELECT id FROM JSON_TABLE(?, '$[*]' COLUMNS (id BIGINT PATH '$')) AS c)
+        ORDER BY x.id
+        LIMIT 1) AS blocker
+    FROM JSON_TABLE(?, '$[*]' COLUMNS (
+             n FOR ORDINALITY,
+             t VARCHAR(255) PATH '$[0]',
+             a CHAR(32) PATH '$[1]',
+             last BIGINT PATH '$[2]')) AS a
+) AS b
+STRAIGHT_JOIN {outbox} AS e FORCE INDEX (PRIMARY) ON e.id = b.blocker
 LEFT JOIN {claims} AS k ON JSON_CONTAINS(k.event_ids, CAST(e.id AS CHAR))"#
             )),
             mark: sql(format!(
@@ -482,9 +489,11 @@ ORDER BY h.n, f.event_id"#
             publish: sql(format!(
                 "UPDATE {events_by_id} SET o.published_at = ?"
             )),
+            // (Through the rows set aside, usually none, not through the ids.)
             unhold_behind: sql(format!(
-                "UPDATE {} SET o.held_behind = NULL",
-                by_ids(&outbox, "o", &index("_held_behind_idx"), "held_behind")
+                "UPDATE {outbox} SET held_behind = NULL
+                 WHERE held_behind IS NOT NULL
+                   AND held_behind IN (SELECT id FROM {IDS})"
             )),
             park: sql(format!(
                 "UPDATE {outbox}
@@ -1667,8 +1676,8 @@ async fn blockers(
         .map(|(t, a)| json!([t, a.simple().to_string(), last[&(t.clone(), *a)]]))
         .collect();
     let rows = sqlx::query(queries.blockers.clone())
-        .bind(serde_json::Value::Array(probes).to_string())
         .bind(json!(ids).to_string())
+        .bind(serde_json::Value::Array(probes).to_string())
         .fetch_all(conn)
         .await?;
     let mut blockers = HashMap::new();

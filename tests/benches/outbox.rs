@@ -987,13 +987,9 @@ async fn main() {
             }
             "nats" => nats::relay_to_jetstream(options.runs, &options.config()).await,
             "mysql" => {
-                mysql::mysql(
-                    options.runs,
-                    options.seconds,
-                    options.events,
-                    &options.config(),
-                )
-                .await;
+                let tuned = (options.batch.is_some() || options.concurrency.is_some())
+                    .then(|| options.config());
+                mysql::mysql(options.runs, options.seconds, options.events, tuned).await;
             }
             "pressure" => {
                 let half = sustained_half(&options).await;

@@ -255,7 +255,9 @@ async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
     (rate(0), rate(1))
 }
 
-pub(crate) async fn mysql(runs: usize, seconds: u64, events: u64, config: &RelayConfig) {
+/// (j): the producer, then the drain at the defaults and, when `tuned` is given, at those
+/// settings too.
+pub(crate) async fn mysql(runs: usize, seconds: u64, events: u64, tuned: Option<RelayConfig>) {
     let (mut ours, mut raw) = (Vec::new(), Vec::new());
     for _ in 0..runs {
         let (o, r) = producer(seconds).await;
@@ -263,10 +265,9 @@ pub(crate) async fn mysql(runs: usize, seconds: u64, events: u64, config: &Relay
         raw.push(r);
     }
     report("(j) MySQL producer, 16 tasks", "commits/s", &ours, &raw);
-    for (name, config) in [
-        ("defaults", RelayConfig::default()),
-        ("as given", config.clone()),
-    ] {
+    let settings = std::iter::once(("defaults", RelayConfig::default()))
+        .chain(tuned.map(|config| ("as given", config)));
+    for (name, config) in settings {
         let (mut ours, mut raw) = (Vec::new(), Vec::new());
         for _ in 0..runs {
             let (o, r) = drain(events, config.clone()).await;
