@@ -1,5 +1,6 @@
-//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default) and SQLite (feature
-//! `sqlite`, embedded: one relay per database file).
+//! Storage for **outbox** on sqlx: PostgreSQL (feature `postgres`, default), SQLite (feature
+//! `sqlite`, embedded: one relay per database file) and MySQL / MariaDB (feature `mysql`; see
+//! below).
 //!
 //! - [`Outbox`] runs the migrations ([`Outbox::migrate`]) and begins transactions that can
 //!   publish ([`Outbox::begin`]).
@@ -62,6 +63,7 @@
 //!
 //! By default the events live in the seed's `events.outbox` and per-subscriber delivery state in
 //! `events.outbox_deliveries`; [`TableNames`] picks other names, validated as SQL identifiers.
+#![cfg_attr(feature = "mysql", doc = include_str!("../docs/mysql.md"))]
 #![doc(test(attr(deny(warnings))))]
 
 mod backend;

@@ -1,6 +1,6 @@
 //! The ordering and delivery promises under random interleavings of several relays: the
 //! specification every store must meet, checked as a property over the test kit's memory store
-//! (thousands of cases) and over PostgreSQL and SQLite (fewer).
+//! (thousands of cases) and over PostgreSQL, SQLite and MySQL (fewer).
 //!
 //! Each relay runs on a thread and a runtime of its own. Every handler call blocks its relay's
 //! thread until the scheduler decides its outcome, so a relay waiting for a decision is frozen
@@ -28,7 +28,7 @@ use outbox_sqlx::Outbox;
 use outbox_tests::backend::{TestBackend, outbox};
 use proptest::prelude::*;
 use serde::{Deserialize, Serialize};
-use sqlx::{Postgres, Sqlite};
+use sqlx::{MySql, Postgres, Sqlite};
 use uuid::Uuid;
 
 const AGGREGATES: usize = 3;
@@ -549,6 +549,13 @@ proptest! {
         ops in prop::collection::vec(op(), 1..30),
     ) {
         run_scenario(&Sql::<Sqlite>::new(), &ops)?;
+    }
+
+    #[test]
+    fn per_key_order_holds_under_random_interleavings_on_mysql(
+        ops in prop::collection::vec(op(), 1..30),
+    ) {
+        run_scenario(&Sql::<MySql>::new(), &ops)?;
     }
 }
 

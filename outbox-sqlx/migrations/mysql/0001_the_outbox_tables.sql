@@ -6,7 +6,10 @@
 -- looks for (pending events, due parked events, unpublished events of an aggregate, due
 -- deliveries), a generated column that is NULL for every other row is indexed, and the queries
 -- name it, so that a scan reads what it looks for however many published rows the table keeps.
-CREATE TABLE {outbox} (
+--
+-- MySQL commits around each DDL statement: this runs outside a transaction, and every statement
+-- can run again (IF NOT EXISTS, INSERT IGNORE) after a failure halfway.
+CREATE TABLE IF NOT EXISTS {outbox} (
     id              BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
     aggregate_type  VARCHAR(255) NOT NULL,
     aggregate_id    BINARY(16) NOT NULL,
@@ -52,7 +55,7 @@ CREATE TABLE {outbox} (
 -- Per-subscriber delivery state, for events some subscriber has not had yet. Only the first
 -- undelivered row of a (subscriber, aggregate) key has a due time; the rows behind it have
 -- none, so a claim never reads them one by one.
-CREATE TABLE {deliveries} (
+CREATE TABLE IF NOT EXISTS {deliveries} (
     event_id        BIGINT NOT NULL,
     subscriber      VARCHAR(255) NOT NULL,
     aggregate_type  VARCHAR(255) NOT NULL,
@@ -77,7 +80,7 @@ CREATE TABLE {deliveries} (
 -- A claim's id is its token: renewals and outcomes name it and count only while it is live.
 -- The events it holds are listed in its row (a JSON array of ids): claiming writes one row, not
 -- one per event, and the events are free again the moment the row is gone.
-CREATE TABLE {claims} (
+CREATE TABLE IF NOT EXISTS {claims} (
     id          BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
     until       DATETIME(6) NOT NULL,
     claimed_at  DATETIME(6) NOT NULL,
@@ -87,24 +90,24 @@ CREATE TABLE {claims} (
 
 -- One row, locked by every claim, record, skip and requeue for the rest of its transaction:
 -- one at a time, each seeing what the one before it committed.
-CREATE TABLE {claim_lock} (
+CREATE TABLE IF NOT EXISTS {claim_lock} (
     id TINYINT NOT NULL PRIMARY KEY
 ) ENGINE = InnoDB;
-INSERT INTO {claim_lock} (id) VALUES (1);
+INSERT IGNORE INTO {claim_lock} (id) VALUES (1);
 
 -- 4 096 rows; a transaction that publishes for an aggregate locks the row of the aggregate's
 -- hash before its event takes an id, until it commits. Two transactions publishing for one
 -- aggregate take their ids one after the other, so within an aggregate id order is commit
 -- order (InnoDB takes auto-increment ids at insert, not at commit).
-CREATE TABLE {aggregate_locks} (
+CREATE TABLE IF NOT EXISTS {aggregate_locks} (
     slot SMALLINT NOT NULL PRIMARY KEY
 ) ENGINE = InnoDB;
-INSERT INTO {aggregate_locks} (slot)
+INSERT IGNORE INTO {aggregate_locks} (slot)
 WITH RECURSIVE s (n) AS (SELECT 0 UNION ALL SELECT n + 1 FROM s WHERE n < 63)
 SELECT a.n * 64 + b.n FROM s AS a CROSS JOIN s AS b;
 
 -- Deliveries an operator gave up on; subscriber NULL: the whole event, for every subscriber.
-CREATE TABLE {skips} (
+CREATE TABLE IF NOT EXISTS {skips} (
     event_id    BIGINT NOT NULL,
     subscriber  VARCHAR(255) NULL,
     attempts    INT NOT NULL,
@@ -115,7 +118,7 @@ CREATE TABLE {skips} (
 
 -- The inbox: the messages each consumer handled, written in the transaction of the handling's
 -- effects. Retention deletes the old rows by `handled_at`.
-CREATE TABLE {inbox} (
+CREATE TABLE IF NOT EXISTS {inbox} (
     consumer    VARCHAR(200) NOT NULL,
     message_id  VARCHAR(500) NOT NULL,
     handled_at  DATETIME(6) NOT NULL,
@@ -124,7 +127,7 @@ CREATE TABLE {inbox} (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- The relays at work and what each one's build routes (JSON); see the other backends.
-CREATE TABLE {relays} (
+CREATE TABLE IF NOT EXISTS {relays} (
     id             CHAR(36) NOT NULL PRIMARY KEY,
     generation     BIGINT NOT NULL,
     routing        LONGTEXT NOT NULL,
@@ -134,7 +137,7 @@ CREATE TABLE {relays} (
 
 -- Requeues made with a reason: what was named (event ids as a JSON array; or a subscriber, and
 -- a failure's first line; or a first line alone), how many rows went back, and why.
-CREATE TABLE {requeues} (
+CREATE TABLE IF NOT EXISTS {requeues} (
     id           BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
     event_ids    LONGTEXT NULL,
     subscriber   VARCHAR(255) NULL,
