@@ -296,9 +296,10 @@ impl Backend for MySql {
             live_relays: sql(format!(
                 "SELECT id, generation, routing FROM {relays} WHERE seen_at >= ?"
             )),
-            // What the claim needs to know first: the registry's version, the expired claims,
-            // whether any unpublished event is not pending (else no candidate waits for an
-            // earlier one) and whether any delivery row exists.
+            // What the claim needs to know first: the registry's version, the expired claims
+            // and their events, whether any unpublished event is set aside, parked or dead,
+            // the live claims (whether each has lasted, and the first event of each aggregate
+            // it holds) and whether any delivery row exists.
             state: sql(format!(
                 "SELECT (SELECT coalesce(GROUP_CONCAT(generation ORDER BY generation
                                                       SEPARATOR ','), '')
@@ -308,8 +309,11 @@ impl Backend for MySql {
                          FROM {claims} AS k,
                               JSON_TABLE(k.event_ids, '$[*]' COLUMNS (id BIGINT PATH '$')) AS j
                          WHERE k.until < ?),
-                        EXISTS (SELECT 1 FROM {outbox} WHERE stalled = 1)
-                            OR EXISTS (SELECT 1 FROM {claims}),
+                        EXISTS (SELECT 1 FROM {outbox} WHERE stalled = 1),
+                        (SELECT coalesce(JSON_ARRAYAGG(JSON_ARRAY(id, IF(claimed_at < ?, 1, 0),
+                                                                  JSON_EXTRACT(aggregates, '$'))),
+                                         '[]')
+                         FROM {claims} WHERE until >= ?),
                         EXISTS (SELECT 1 FROM {deliveries})"
             )),
             unroutable: sql(format!(
@@ -440,7 +444,7 @@ ORDER BY h.n, f.event_id"#
                 "UPDATE {deliveries} SET next_retry_at = ? WHERE subscriber = ? AND event_id = ?"
             )),
             new_claim: sql(format!(
-                "INSERT INTO {claims} (until, claimed_at, event_ids) VALUES (?, ?, ?)"
+                "INSERT INTO {claims} (until, claimed_at, event_ids, aggregates) VALUES (?, ?, ?, ?)"
             )),
             // For each event of the claim ($1: their ids), the subscribers with a delivery of
             // its aggregate that this claim ($2) does not take: they run first, in its
@@ -771,14 +775,17 @@ LIMIT ?"#
         let until = plus(now, lease);
         let old = minus(now, hold_after(lease));
 
-        let (registry, expired, expired_events, stalled, deliveries): (
+        let (registry, expired, expired_events, stalled, live, deliveries): (
             String,
             String,
             String,
             i64,
+            String,
             i64,
         ) = sqlx::query_as(queries.state.clone())
             .bind(now)
+            .bind(now)
+            .bind(old)
             .bind(now)
             .fetch_one(&mut *tx)
             .await?;
@@ -807,11 +814,14 @@ LIMIT ?"#
             .bind(i64::from(limit))
             .fetch_all(&mut *tx)
             .await?;
-        // Which candidates wait, and which of those are set aside (and behind what).
+        // Which candidates wait, and which of those are set aside (and behind what): behind
+        // an event a live claim holds, read from the claims' rows; behind one set aside, parked
+        // or dead, when there is any, probed for each aggregate (the probe finds claimed ones
+        // too).
         let blockers = if stalled == 1 {
-            blockers(&mut tx, queries, &candidates).await?
+            blockers(&mut tx, queries, &candidates, old).await?
         } else {
-            HashMap::new()
+            claimed_aggregates(&live)?
         };
         let mut claimable = Vec::new();
         let mut marks = Vec::new();
@@ -838,10 +848,7 @@ LIMIT ?"#
             };
             let mark = match blocker.claim {
                 // Behind a claim: set aside only once the claim has lasted.
-                Some(claim) => blocker
-                    .claimed_at
-                    .filter(|at| *at < old)
-                    .map(|_| (Some(claim), None)),
+                Some(claim) => blocker.lasted.then_some((Some(claim), None)),
                 None if blocker.held_by.is_some() || blocker.held_behind.is_some() => {
                     Some((blocker.held_by, blocker.held_behind))
                 }
@@ -883,6 +890,7 @@ LIMIT ?"#
                 .bind(until)
                 .bind(now)
                 .bind(&ids)
+                .bind(aggregates_of(&claimable)?)
                 .execute(&mut *tx)
                 .await?
                 .last_insert_id(),
@@ -1648,9 +1656,61 @@ type Mark = (i64, (Option<i64>, Option<i64>));
 struct Blocker {
     id: i64,
     claim: Option<i64>,
-    claimed_at: Option<PrimitiveDateTime>,
+    /// The claim is older than a quarter lease, at most a second: what waits behind it is set
+    /// aside.
+    lasted: bool,
     held_by: Option<i64>,
     held_behind: Option<i64>,
+}
+
+/// The [`Blocker`]s the live claims are, from the claims' rows (the state query's `live`:
+/// `[[claim id, lasted, [[aggregate type, aggregate id as hex, first event id], ...]], ...]`):
+/// for each aggregate a live claim holds, its first event there.
+fn claimed_aggregates(live: &str) -> Result<HashMap<(String, Uuid), Blocker>, sqlx::Error> {
+    let mut blockers = HashMap::new();
+    let claims: Vec<LiveClaim> =
+        serde_json::from_str(live).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+    for (claim, lasted, aggregates) in claims {
+        for (aggregate_type, aggregate_id, first) in aggregates {
+            let aggregate_id =
+                Uuid::parse_str(&aggregate_id).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+            blockers.insert(
+                (aggregate_type, aggregate_id),
+                Blocker {
+                    id: first,
+                    claim: Some(claim),
+                    lasted: lasted == 1,
+                    held_by: None,
+                    held_behind: None,
+                },
+            );
+        }
+    }
+    Ok(blockers)
+}
+
+/// A live claim as the state query lists it: (id, lasted, [(aggregate type, aggregate id as
+/// hex, first event id)]).
+type LiveClaim = (i64, i64, Vec<(String, String, i64)>);
+
+/// What a claim's row says of its events' aggregates: the first event of each (see
+/// [`claimed_aggregates`]).
+fn aggregates_of(rows: &[&MySqlRow]) -> Result<String, sqlx::Error> {
+    let mut first: HashMap<(String, Uuid), i64> = HashMap::new();
+    for row in rows {
+        let id: i64 = row.try_get("id")?;
+        let entry = first
+            .entry((row.try_get("aggregate_type")?, row.try_get("aggregate_id")?))
+            .or_insert(id);
+        *entry = (*entry).min(id);
+    }
+    Ok(serde_json::Value::Array(
+        first
+            .into_iter()
+            .map(|((t, a), id)| json!([t, a.simple().to_string(), id]))
+            .collect(),
+    )
+    .to_string())
 }
 
 /// For each aggregate of `candidates`, its [`Blocker`] below its last candidate, if any: every
@@ -1660,6 +1720,7 @@ async fn blockers(
     conn: &mut MySqlConnection,
     queries: &MySqlQueries,
     candidates: &[MySqlRow],
+    old: PrimitiveDateTime,
 ) -> Result<HashMap<(String, Uuid), Blocker>, sqlx::Error> {
     let mut last: HashMap<(String, Uuid), i64> = HashMap::new();
     let mut ids = Vec::with_capacity(candidates.len());
@@ -1691,7 +1752,9 @@ async fn blockers(
             Blocker {
                 id: row.try_get(1)?,
                 claim: row.try_get(2)?,
-                claimed_at: row.try_get(3)?,
+                lasted: row
+                    .try_get::<Option<PrimitiveDateTime>, _>(3)?
+                    .is_some_and(|at| at < old),
                 held_by: row.try_get(4)?,
                 held_behind: row.try_get(5)?,
             },

@@ -78,13 +78,16 @@ CREATE TABLE IF NOT EXISTS {deliveries} (
 ) ENGINE = InnoDB DEFAULT CHARSET = utf8mb4 COLLATE = utf8mb4_bin;
 
 -- A claim's id is its token: renewals and outcomes name it and count only while it is live.
--- The events it holds are listed in its row (a JSON array of ids): claiming writes one row, not
--- one per event, and the events are free again the moment the row is gone.
+-- The events it holds are listed in its row (JSON arrays): claiming writes one row, not one per
+-- event, and the events are free again the moment the row is gone.
 CREATE TABLE IF NOT EXISTS {claims} (
     id          BIGINT NOT NULL AUTO_INCREMENT PRIMARY KEY,
     until       DATETIME(6) NOT NULL,
     claimed_at  DATETIME(6) NOT NULL,
     event_ids   LONGTEXT NOT NULL,
+    -- The first event of each aggregate it holds ([type, id as hex, event id]): what waits
+    -- behind it, found without reading the events.
+    aggregates  LONGTEXT NOT NULL,
     INDEX claims_until_idx (until)
 ) ENGINE = InnoDB;
 
