@@ -382,12 +382,13 @@ pub struct SubscriberStatus {
     pub blocked_keys: u64,
 }
 
-/// Per-subscriber counts; the same SQL on every backend.
+/// Per-subscriber counts; the same SQL on every backend (`count`, not `sum`: MySQL sums into
+/// a DECIMAL).
 pub(crate) fn subscribers_query(deliveries: &str) -> String {
     format!(
         "SELECT subscriber,
-                sum(CASE WHEN dead_at IS NULL THEN 1 ELSE 0 END) AS pending,
-                sum(CASE WHEN dead_at IS NOT NULL THEN 1 ELSE 0 END) AS dead,
+                count(CASE WHEN dead_at IS NULL THEN 1 END) AS pending,
+                count(CASE WHEN dead_at IS NOT NULL THEN 1 END) AS dead,
                 count(DISTINCT aggregate_id) AS blocked
          FROM {deliveries} GROUP BY subscriber ORDER BY subscriber"
     )

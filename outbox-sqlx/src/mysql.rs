@@ -42,15 +42,12 @@ use time::{OffsetDateTime, PrimitiveDateTime};
 use uuid::Uuid;
 
 use crate::backend::{
-    self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, row_count, sealed, sql, subscriber_status,
+    self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
+    row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
-use crate::views::{
-    Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
-    overview_query, requeue_record,
-};
+use crate::views::{Dialect, dead_letter_groups_query, list_query, overview_query, requeue_record};
 
 impl sealed::Sealed for MySql {}
 
@@ -603,14 +600,7 @@ SELECT (SELECT count(*) FROM {outbox}
             WHERE d.dead_at IS NULL AND d.event_id > k.event_id),
        UTC_TIMESTAMP(6)"#
             )),
-            // (`sum` is a DECIMAL here: counted as integers.)
-            subscribers: sql(format!(
-                "SELECT subscriber,
-                        CAST(sum(CASE WHEN dead_at IS NULL THEN 1 ELSE 0 END) AS SIGNED) AS pending,
-                        CAST(sum(CASE WHEN dead_at IS NOT NULL THEN 1 ELSE 0 END) AS SIGNED) AS dead,
-                        count(DISTINCT aggregate_id) AS blocked
-                 FROM {deliveries} GROUP BY subscriber ORDER BY subscriber"
-            )),
+            subscribers: sql(subscribers_query(&deliveries)),
             find_delivery: sql(format!(
                 "SELECT attempts, last_error, aggregate_type, aggregate_id FROM {deliveries}
                  WHERE event_id = ? AND subscriber = ? AND claim_id IS NULL FOR UPDATE"
@@ -1294,35 +1284,7 @@ LIMIT ?"#
         })
     }
 
-    async fn list(
-        pool: &MySqlPool,
-        queries: &MySqlQueries,
-        query: &crate::ListQuery,
-    ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-        sqlx::query(queries.list[query.state.index()].clone())
-            .bind(&query.subscriber)
-            .bind(&query.event_type)
-            .bind(query.aggregate_id)
-            .bind(query.after.0)
-            .bind(&query.after.1)
-            .bind(i64::from(query.limit))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| listed(row, query.state))
-            .collect()
-    }
-
-    async fn overview(
-        pool: &MySqlPool,
-        queries: &MySqlQueries,
-    ) -> Result<crate::Overview, sqlx::Error> {
-        overview(
-            &sqlx::query(queries.overview.clone())
-                .fetch_one(pool)
-                .await?,
-        )
-    }
+    crate::views::operator_views!(MySqlPool, MySqlQueries);
 
     async fn published_within(
         pool: &MySqlPool,
@@ -1334,18 +1296,6 @@ LIMIT ?"#
             .fetch_one(pool)
             .await?;
         Ok(row_count(count))
-    }
-
-    async fn dead_letter_groups(
-        pool: &MySqlPool,
-        queries: &MySqlQueries,
-    ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
-        sqlx::query(queries.dead_letter_groups.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(dead_letter_group)
-            .collect()
     }
 
     async fn status(pool: &MySqlPool, queries: &MySqlQueries) -> Result<Status, sqlx::Error> {
@@ -1364,18 +1314,6 @@ LIMIT ?"#
         status.held_events = count(6)?;
         status.behind_dead_letters = count(7)?;
         Ok(status)
-    }
-
-    async fn subscribers(
-        pool: &MySqlPool,
-        queries: &MySqlQueries,
-    ) -> Result<Vec<SubscriberStatus>, sqlx::Error> {
-        sqlx::query(queries.subscribers.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(subscriber_status)
-            .collect()
     }
 
     async fn skip(

@@ -86,6 +86,7 @@ impl TableNames {
     }
 
     /// `"table<suffix>"`, quoted, for names that live in the schema implicitly (indexes).
+    #[cfg_attr(not(any(feature = "postgres", feature = "sqlite")), allow(dead_code))]
     pub(crate) fn local(&self, suffix: &str) -> String {
         format!("\"{}{suffix}\"", self.table)
     }

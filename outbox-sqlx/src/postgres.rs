@@ -16,15 +16,12 @@ use tokio::sync::{Notify, watch};
 use uuid::Uuid;
 
 use crate::backend::{
-    Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, registry_of, row_count, sealed, sql, subscriber_status, subscribers_query,
+    Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
+    registry_of, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
-use crate::views::{
-    Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
-    overview_query, requeue_record,
-};
+use crate::views::{Dialect, dead_letter_groups_query, list_query, overview_query, requeue_record};
 
 impl sealed::Sealed for Postgres {}
 
@@ -1283,32 +1280,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         purge_step(pool, queries, older_than, i64::from(batch_size), after).await
     }
 
-    async fn list(
-        pool: &PgPool,
-        queries: &PgQueries,
-        query: &crate::ListQuery,
-    ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-        sqlx::query(queries.list[query.state.index()].clone())
-            .bind(&query.subscriber)
-            .bind(&query.event_type)
-            .bind(query.aggregate_id)
-            .bind(query.after.0)
-            .bind(&query.after.1)
-            .bind(i64::from(query.limit))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| listed(row, query.state))
-            .collect()
-    }
-
-    async fn overview(pool: &PgPool, queries: &PgQueries) -> Result<crate::Overview, sqlx::Error> {
-        overview(
-            &sqlx::query(queries.overview.clone())
-                .fetch_one(pool)
-                .await?,
-        )
-    }
+    crate::views::operator_views!(PgPool, PgQueries);
 
     async fn published_within(
         pool: &PgPool,
@@ -1322,32 +1294,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         Ok(row_count(count))
     }
 
-    async fn dead_letter_groups(
-        pool: &PgPool,
-        queries: &PgQueries,
-    ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
-        sqlx::query(queries.dead_letter_groups.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(dead_letter_group)
-            .collect()
-    }
-
     async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
         status_in(pool, queries).await
-    }
-
-    async fn subscribers(
-        pool: &PgPool,
-        queries: &PgQueries,
-    ) -> Result<Vec<SubscriberStatus>, sqlx::Error> {
-        sqlx::query(queries.subscribers.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(subscriber_status)
-            .collect()
     }
 
     async fn skip(

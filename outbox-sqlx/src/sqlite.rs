@@ -21,15 +21,12 @@ use time::OffsetDateTime;
 use uuid::Uuid;
 
 use crate::backend::{
-    self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, SubscriberStatus,
-    apply_migrations, row_count, sealed, sql, subscriber_status, subscribers_query,
+    self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
+    row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
-use crate::views::{
-    Dialect, dead_letter_group, dead_letter_groups_query, list_query, listed, overview,
-    overview_query, requeue_record,
-};
+use crate::views::{Dialect, dead_letter_groups_query, list_query, overview_query, requeue_record};
 
 impl sealed::Sealed for Sqlite {}
 
@@ -1082,35 +1079,7 @@ LIMIT $4"#
         })
     }
 
-    async fn list(
-        pool: &SqlitePool,
-        queries: &SqliteQueries,
-        query: &crate::ListQuery,
-    ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-        sqlx::query(queries.list[query.state.index()].clone())
-            .bind(&query.subscriber)
-            .bind(&query.event_type)
-            .bind(query.aggregate_id)
-            .bind(query.after.0)
-            .bind(&query.after.1)
-            .bind(i64::from(query.limit))
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(|row| listed(row, query.state))
-            .collect()
-    }
-
-    async fn overview(
-        pool: &SqlitePool,
-        queries: &SqliteQueries,
-    ) -> Result<crate::Overview, sqlx::Error> {
-        overview(
-            &sqlx::query(queries.overview.clone())
-                .fetch_one(pool)
-                .await?,
-        )
-    }
+    crate::views::operator_views!(SqlitePool, SqliteQueries);
 
     async fn published_within(
         pool: &SqlitePool,
@@ -1122,18 +1091,6 @@ LIMIT $4"#
             .fetch_one(pool)
             .await?;
         Ok(row_count(count))
-    }
-
-    async fn dead_letter_groups(
-        pool: &SqlitePool,
-        queries: &SqliteQueries,
-    ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
-        sqlx::query(queries.dead_letter_groups.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(dead_letter_group)
-            .collect()
     }
 
     async fn status(pool: &SqlitePool, queries: &SqliteQueries) -> Result<Status, sqlx::Error> {
@@ -1154,18 +1111,6 @@ LIMIT $4"#
         status.blocked_keys = row_count(blocked);
         status.behind_dead_letters = row_count(behind_dead);
         Ok(status)
-    }
-
-    async fn subscribers(
-        pool: &SqlitePool,
-        queries: &SqliteQueries,
-    ) -> Result<Vec<SubscriberStatus>, sqlx::Error> {
-        sqlx::query(queries.subscribers.clone())
-            .fetch_all(pool)
-            .await?
-            .iter()
-            .map(subscriber_status)
-            .collect()
     }
 
     async fn skip(

@@ -545,6 +545,68 @@ pub struct HeldBack {
     pub waiting: u64,
 }
 
+/// The [`Backend`](crate::Backend) methods that read the operator views, the same on every
+/// backend (each has the queries `list`, `overview`, `dead_letter_groups` and `subscribers`):
+/// written once, expanded in each backend's impl with its pool and queries types.
+macro_rules! operator_views {
+    ($pool:ty, $queries:ty) => {
+        async fn list(
+            pool: &$pool,
+            queries: &$queries,
+            query: &crate::ListQuery,
+        ) -> Result<Vec<crate::Listed>, sqlx::Error> {
+            sqlx::query(queries.list[query.state.index()].clone())
+                .bind(&query.subscriber)
+                .bind(&query.event_type)
+                .bind(query.aggregate_id)
+                .bind(query.after.0)
+                .bind(&query.after.1)
+                .bind(i64::from(query.limit))
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(|row| crate::views::listed(row, query.state))
+                .collect()
+        }
+
+        async fn overview(
+            pool: &$pool,
+            queries: &$queries,
+        ) -> Result<crate::Overview, sqlx::Error> {
+            crate::views::overview(
+                &sqlx::query(queries.overview.clone())
+                    .fetch_one(pool)
+                    .await?,
+            )
+        }
+
+        async fn dead_letter_groups(
+            pool: &$pool,
+            queries: &$queries,
+        ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
+            sqlx::query(queries.dead_letter_groups.clone())
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(crate::views::dead_letter_group)
+                .collect()
+        }
+
+        async fn subscribers(
+            pool: &$pool,
+            queries: &$queries,
+        ) -> Result<Vec<crate::SubscriberStatus>, sqlx::Error> {
+            sqlx::query(queries.subscribers.clone())
+                .fetch_all(pool)
+                .await?
+                .iter()
+                .map(crate::backend::subscriber_status)
+                .collect()
+        }
+    };
+}
+pub(crate) use operator_views;
+
 /// One row of a backend's `requeues` query, given the two columns each backend stores its own
 /// way: the event ids and the time.
 pub(crate) fn requeue_record<R: sqlx::Row>(
