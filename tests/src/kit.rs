@@ -557,3 +557,61 @@ pub async fn wait_for(mut done: impl FnMut() -> bool) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A late commit, on a database where several transactions publish at once (PostgreSQL,
+/// MySQL): a transaction takes the first id and stays open while later ids commit, of another
+/// aggregate and (its writer waiting for the late one) of the same aggregate. The relay
+/// delivers what committed, then the late event, before its aggregate's next one.
+pub async fn a_late_commit_is_delivered_in_order<B: outbox_sqlx::Backend>(
+    outbox: &outbox_sqlx::Outbox<B, PingPong>,
+    config: outbox_core::RelayConfig,
+) {
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), OnlyX::new(&probe), config).unwrap();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let publish_one = async |outbox: &outbox_sqlx::Outbox<B, PingPong>, aggregate, seq| {
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq }).await.unwrap();
+        tx.commit().await.unwrap();
+    };
+
+    // A transaction takes the first id and stays open...
+    let mut late = outbox.begin().await.unwrap();
+    late.publish(&Ping {
+        aggregate: a,
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    // ...while later ids commit, of another aggregate...
+    publish_one(outbox, b, 1).await;
+    publish_one(outbox, b, 2).await;
+    // ...and of the same aggregate, whose writer waits for the late one.
+    let same_aggregate = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { publish_one(&outbox, a, 2).await }
+    });
+    let wait = Duration::from_secs(20);
+    run_until(&relay, wait, || probe.delivered_to("x").len() == 2).await;
+    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
+
+    late.commit().await.unwrap();
+    same_aggregate.await.unwrap();
+    run_until(&relay, wait, || probe.delivered_to("x").len() == 4).await;
+    assert_eq!(
+        probe.delivered_to("x"),
+        [(b, 1), (b, 2), (a, 1), (a, 2)],
+        "the late event is delivered, before its aggregate's next one"
+    );
+    let ids: Vec<(i64, u32)> = probe
+        .seen()
+        .iter()
+        .filter(|s| s.aggregate == a)
+        .map(|s| (s.event_id, s.seq))
+        .collect();
+    assert!(
+        ids[0].0 < ids[1].0,
+        "the late event took the lower id: {ids:?}"
+    );
+    assert_eq!(ids[0].0, 1, "and the first id of all: {ids:?}");
+}

@@ -41,54 +41,7 @@ const OTHER_SESSIONS: &str = "FROM information_schema.processlist
 #[tokio::test]
 async fn a_late_commit_is_delivered_and_in_order_within_its_aggregate() {
     let (_db, outbox) = setup().await;
-    let probe = Probe::default();
-    let relay = Relay::new(outbox.store(), OnlyX::new(&probe), config()).unwrap();
-    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-
-    // A transaction takes the first id and stays open...
-    let mut late = outbox.begin().await.unwrap();
-    late.publish(&Ping {
-        aggregate: a,
-        seq: 1,
-    })
-    .await
-    .unwrap();
-    // ...while later ids commit, of another aggregate...
-    publish_one(&outbox, b, 1).await;
-    publish_one(&outbox, b, 2).await;
-    // ...and of the same aggregate, whose writer waits for the late one.
-    let same_aggregate = tokio::spawn({
-        let outbox = outbox.clone();
-        async move { publish_one(&outbox, a, 2).await }
-    });
-    outbox_tests::kit::run_until(&relay, Duration::from_secs(20), || {
-        probe.delivered_to("x").len() == 2
-    })
-    .await;
-    assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2)]);
-
-    late.commit().await.unwrap();
-    same_aggregate.await.unwrap();
-    outbox_tests::kit::run_until(&relay, Duration::from_secs(20), || {
-        probe.delivered_to("x").len() == 4
-    })
-    .await;
-    assert_eq!(
-        probe.delivered_to("x"),
-        [(b, 1), (b, 2), (a, 1), (a, 2)],
-        "the late event is delivered, before its aggregate's next one"
-    );
-    let ids: Vec<(i64, u32)> = probe
-        .seen()
-        .iter()
-        .filter(|s| s.aggregate == a)
-        .map(|s| (s.event_id, s.seq))
-        .collect();
-    assert!(
-        ids[0].0 < ids[1].0,
-        "the late event took the lower id: {ids:?}"
-    );
-    assert_eq!(ids[0].0, 1, "and the first id of all: {ids:?}");
+    outbox_tests::kit::a_late_commit_is_delivered_in_order(&outbox, config()).await;
 }
 
 #[tokio::test]
