@@ -242,15 +242,70 @@ const SLICE: Duration = Duration::from_millis(500);
 async fn producer(seconds: u64) -> (f64, f64) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
+    alternate_commits(seconds, move |raw, seq| {
+        let (outbox, pool) = (outbox.clone(), pool.clone());
+        let account = ids[fastrand::usize(..ids.len())];
+        async move {
+            let event = Deposited {
+                account,
+                seq,
+                amount: 1,
+            };
+            if raw {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+                    .bind(account)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                let payload = serde_json::json!({
+                    "version": 1,
+                    "data": event,
+                    "metadata": {"causation_id": null, "correlation_id": null},
+                })
+                .to_string();
+                sqlx::query(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                     VALUES ($1, $2, $3, $4::jsonb)",
+                )
+                .bind("account")
+                .bind(account)
+                .bind("Deposited")
+                .bind(payload)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            } else {
+                let mut tx = outbox.begin().await.unwrap();
+                sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
+                    .bind(account)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.publish(&event).await.unwrap();
+                tx.commit().await.unwrap();
+            }
+        }
+    })
+    .await
+}
+
+/// Commits per second of 16 tasks each calling `commit(raw, seq)` in a loop (`seq` unique per
+/// call), ours (`raw` false) and raw alternating every [`SLICE`] for `seconds` each: (ours,
+/// raw). A commit counts for the mode it started in.
+async fn alternate_commits<F, C>(seconds: u64, commit: F) -> (f64, f64)
+where
+    F: Fn(bool, u64) -> C + Clone + Send + Sync + 'static,
+    C: Future<Output = ()> + Send,
+{
     let stop = Arc::new(AtomicBool::new(false));
     let raw_mode = Arc::new(AtomicBool::new(false));
     let commits = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
     let mut tasks = Vec::new();
     for task in 0..16 {
-        let (outbox, pool, ids, stop, raw_mode, commits) = (
-            outbox.clone(),
-            pool.clone(),
-            ids.clone(),
+        let (commit, stop, raw_mode, commits) = (
+            commit.clone(),
             stop.clone(),
             raw_mode.clone(),
             commits.clone(),
@@ -260,48 +315,7 @@ async fn producer(seconds: u64) -> (f64, f64) {
             while !stop.load(Ordering::Relaxed) {
                 seq += 1;
                 let raw = raw_mode.load(Ordering::Relaxed);
-                let account = ids[fastrand::usize(..ids.len())];
-                let event = Deposited {
-                    account,
-                    seq,
-                    amount: 1,
-                };
-                if raw {
-                    let mut tx = pool.begin().await.unwrap();
-                    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
-                        .bind(account)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    let payload = serde_json::json!({
-                        "version": 1,
-                        "data": event,
-                        "metadata": {"causation_id": null, "correlation_id": null},
-                    })
-                    .to_string();
-                    sqlx::query(
-                        "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-                         VALUES ($1, $2, $3, $4::jsonb)",
-                    )
-                    .bind("account")
-                    .bind(account)
-                    .bind("Deposited")
-                    .bind(payload)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                    tx.commit().await.unwrap();
-                } else {
-                    let mut tx = outbox.begin().await.unwrap();
-                    sqlx::query("UPDATE accounts SET balance = balance + 1 WHERE id = $1")
-                        .bind(account)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    tx.publish(&event).await.unwrap();
-                    tx.commit().await.unwrap();
-                }
-                // A commit counts for the mode it started in.
+                commit(raw, seq).await;
                 commits[usize::from(raw)].fetch_add(1, Ordering::Relaxed);
             }
         }));

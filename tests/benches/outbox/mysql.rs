@@ -3,7 +3,7 @@
 //! one database.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use outbox_core::{Relay, RelayConfig};
@@ -12,7 +12,7 @@ use outbox_tests::my::TestMyDb;
 use sqlx::{MySql, MySqlPool};
 use uuid::Uuid;
 
-use super::{Bench, Deposited, Ledger, Meter, SLICE, report};
+use super::{Bench, Deposited, Ledger, Meter, SLICE, alternate_commits, report};
 
 async fn setup(accounts: usize) -> (TestMyDb, Outbox<MySql, Bench>, Vec<Uuid>) {
     let db = TestMyDb::new().await;
@@ -35,95 +35,54 @@ async fn setup(accounts: usize) -> (TestMyDb, Outbox<MySql, Bench>, Vec<Uuid>) {
 }
 
 /// Commits per second of 16 tasks each running domain update + event + commit, ours and raw
-/// alternating every [`SLICE`]: (ours, raw).
+/// alternating every [`SLICE`](super::SLICE): (ours, raw).
 async fn producer(seconds: u64) -> (f64, f64) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
-    let stop = Arc::new(AtomicBool::new(false));
-    let raw_mode = Arc::new(AtomicBool::new(false));
-    let commits = Arc::new([AtomicU64::new(0), AtomicU64::new(0)]);
-    let mut tasks = Vec::new();
-    for task in 0..16 {
-        let (outbox, pool, ids, stop, raw_mode, commits) = (
-            outbox.clone(),
-            pool.clone(),
-            ids.clone(),
-            stop.clone(),
-            raw_mode.clone(),
-            commits.clone(),
-        );
-        tasks.push(tokio::spawn(async move {
-            let mut seq = task as u64 * 1_000_000_000;
-            while !stop.load(Ordering::Relaxed) {
-                seq += 1;
-                let raw = raw_mode.load(Ordering::Relaxed);
-                let account = ids[fastrand::usize(..ids.len())];
-                let event = Deposited {
-                    account,
-                    seq,
-                    amount: 1,
-                };
-                let update = "UPDATE accounts SET balance = balance + 1 WHERE id = ?";
-                if raw {
-                    let mut tx = pool.begin().await.unwrap();
-                    sqlx::query(update)
-                        .bind(account)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    let payload =
-                        outbox_core::encode(&event, &outbox_core::Metadata::new()).unwrap();
-                    sqlx::query(
-                        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload,
-                                             occurred_at)
-                         VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6))",
-                    )
-                    .bind("account")
+    alternate_commits(seconds, move |raw, seq| {
+        let (outbox, pool) = (outbox.clone(), pool.clone());
+        let account = ids[fastrand::usize(..ids.len())];
+        async move {
+            let event = Deposited {
+                account,
+                seq,
+                amount: 1,
+            };
+            let update = "UPDATE accounts SET balance = balance + 1 WHERE id = ?";
+            if raw {
+                let mut tx = pool.begin().await.unwrap();
+                sqlx::query(update)
                     .bind(account)
-                    .bind("Deposited")
-                    .bind(payload)
                     .execute(&mut *tx)
                     .await
                     .unwrap();
-                    tx.commit().await.unwrap();
-                } else {
-                    let mut tx = outbox.begin().await.unwrap();
-                    sqlx::query(update)
-                        .bind(account)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    tx.publish(&event).await.unwrap();
-                    tx.commit().await.unwrap();
-                }
-                // A commit counts for the mode it started in.
-                commits[usize::from(raw)].fetch_add(1, Ordering::Relaxed);
+                let payload = outbox_core::encode(&event, &outbox_core::Metadata::new()).unwrap();
+                sqlx::query(
+                    "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload,
+                                         occurred_at)
+                     VALUES (?, ?, ?, ?, UTC_TIMESTAMP(6))",
+                )
+                .bind("account")
+                .bind(account)
+                .bind("Deposited")
+                .bind(payload)
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+                tx.commit().await.unwrap();
+            } else {
+                let mut tx = outbox.begin().await.unwrap();
+                sqlx::query(update)
+                    .bind(account)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                tx.publish(&event).await.unwrap();
+                tx.commit().await.unwrap();
             }
-        }));
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let mut time = [Duration::ZERO; 2];
-    let mut counted = [0_u64; 2];
-    let slices = (seconds * 1000 / SLICE.as_millis() as u64).max(1) * 2;
-    for slice in 0..slices {
-        let raw = slice % 2 == 1;
-        raw_mode.store(raw, Ordering::Relaxed);
-        // Skip commits that started in the previous slice.
-        tokio::time::sleep(Duration::from_millis(20)).await;
-        let (start, before) = (
-            Instant::now(),
-            commits[usize::from(raw)].load(Ordering::Relaxed),
-        );
-        tokio::time::sleep(SLICE).await;
-        time[usize::from(raw)] += start.elapsed();
-        counted[usize::from(raw)] += commits[usize::from(raw)].load(Ordering::Relaxed) - before;
-    }
-    stop.store(true, Ordering::Relaxed);
-    for task in tasks {
-        task.await.unwrap();
-    }
-    let rate = |i: usize| counted[i] as f64 / time[i].as_secs_f64();
-    (rate(0), rate(1))
+        }
+    })
+    .await
 }
 
 /// A backlog of `events` over the accounts, in turn, with the payloads `publish` writes.
