@@ -357,6 +357,25 @@ pub(crate) fn registry_of(mut rows: Vec<(Uuid, i64, String)>) -> Registry {
     )
 }
 
+/// The registry of (relay id as text, generation, routing) rows, for databases that store the
+/// id as text.
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+pub(crate) fn registry_of_text(rows: Vec<(String, i64, String)>) -> Registry {
+    registry_of(
+        rows.into_iter()
+            .filter_map(|(id, generation, routing)| {
+                Some((Uuid::parse_str(&id).ok()?, generation, routing))
+            })
+            .collect(),
+    )
+}
+
+/// A count read from the database as a `u32` (0 if it does not fit).
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+pub(crate) fn count(value: i64) -> u32 {
+    u32::try_from(value).unwrap_or(0)
+}
+
 /// An encoded event on its way into the store.
 #[doc(hidden)]
 #[derive(Debug)]

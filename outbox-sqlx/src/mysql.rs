@@ -905,8 +905,8 @@ LIMIT ?"#
                     Ok(event) => Claim::Delivery {
                         event,
                         subscriber,
-                        attempts: count(row.try_get("attempts")?),
-                        expired: count(row.try_get("expired_claims")?),
+                        attempts: backend::count(row.try_get("attempts")?),
+                        expired: backend::count(row.try_get("expired_claims")?),
                     },
                     Err(error) => unreadable(&row, Some(subscriber), &error),
                 });
@@ -965,7 +965,7 @@ LIMIT ?"#
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        Ok(registry_of(rows))
+        Ok(backend::registry_of_text(rows))
     }
 
     async fn unregister(
@@ -991,7 +991,7 @@ LIMIT ?"#
             .bind(minus(now, ttl))
             .fetch_all(&mut *conn)
             .await?;
-        Ok(registry_of(rows))
+        Ok(backend::registry_of_text(rows))
     }
 
     async fn unroutable(
@@ -1727,28 +1727,13 @@ async fn promote_head(
     Ok(())
 }
 
-/// The registry of (relay id as text, generation, routing) rows.
-fn registry_of(rows: Vec<(String, i64, String)>) -> Registry {
-    backend::registry_of(
-        rows.into_iter()
-            .filter_map(|(id, generation, routing)| {
-                Some((Uuid::parse_str(&id).ok()?, generation, routing))
-            })
-            .collect(),
-    )
-}
-
-fn count(value: i64) -> u32 {
-    u32::try_from(value).unwrap_or(0)
-}
-
 /// A claimed event row; one whose values this build cannot read becomes [`Claim::Unreadable`].
 fn event_claim(row: &MySqlRow, blocked: Vec<String>) -> Claim {
     let read = || -> Result<Claim, sqlx::Error> {
         Ok(Claim::Event {
             event: stored_event(row)?,
-            parked: count(row.try_get("retry_count")?),
-            expired: count(row.try_get("expired_claims")?),
+            parked: backend::count(row.try_get("retry_count")?),
+            expired: backend::count(row.try_get("expired_claims")?),
             blocked,
         })
     };

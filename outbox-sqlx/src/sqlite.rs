@@ -739,8 +739,8 @@ LIMIT $4"#
                     Ok(event) => Claim::Delivery {
                         event,
                         subscriber,
-                        attempts: count(row.try_get("attempts")?),
-                        expired: count(row.try_get("expired_claims")?),
+                        attempts: backend::count(row.try_get("attempts")?),
+                        expired: backend::count(row.try_get("expired_claims")?),
                     },
                     Err(error) => unreadable(event, Some(subscriber), &error),
                 });
@@ -790,7 +790,7 @@ LIMIT $4"#
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
-        Ok(registry_of(rows))
+        Ok(backend::registry_of_text(rows))
     }
 
     async fn unregister(
@@ -815,7 +815,7 @@ LIMIT $4"#
             .bind(oldest)
             .fetch_all(pool)
             .await?;
-        Ok(registry_of(rows))
+        Ok(backend::registry_of_text(rows))
     }
 
     async fn unroutable(
@@ -1287,29 +1287,14 @@ LIMIT $4"#
     }
 }
 
-/// The registry of (relay id as text, generation, routing) rows.
-fn registry_of(rows: Vec<(String, i64, String)>) -> Registry {
-    backend::registry_of(
-        rows.into_iter()
-            .filter_map(|(id, generation, routing)| {
-                Some((Uuid::parse_str(&id).ok()?, generation, routing))
-            })
-            .collect(),
-    )
-}
-
-fn count(value: i64) -> u32 {
-    u32::try_from(value).unwrap_or(0)
-}
-
 /// A claimed event row; one whose values this build cannot read becomes [`Claim::Unreadable`].
 fn event_claim(row: &SqliteRow) -> Result<Claim, sqlx::Error> {
     let read = || -> Result<Claim, sqlx::Error> {
         let blocked: String = row.try_get("blocked")?;
         Ok(Claim::Event {
             event: stored_event(row)?,
-            parked: count(row.try_get("retry_count")?),
-            expired: count(row.try_get("expired_claims")?),
+            parked: backend::count(row.try_get("retry_count")?),
+            expired: backend::count(row.try_get("expired_claims")?),
             blocked: serde_json::from_str(&blocked)
                 .map_err(|e| sqlx::Error::Decode(Box::new(e)))?,
         })
