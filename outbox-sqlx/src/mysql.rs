@@ -16,12 +16,18 @@
 //!   transaction publishing for that aggregate takes its id only after the first committed.
 //!   These are row locks, which every isolation level takes alike: the user's transaction may
 //!   run at InnoDB's default REPEATABLE READ (its snapshot plays no part in publishing).
-//! - **One claimer at a time.** Claims, records, skips and requeues lock the one row of
-//!   `<table>_claim_lock` first, for the rest of their transaction, and run at READ COMMITTED:
-//!   each statement sees what every earlier one committed (under REPEATABLE READ a claim would
-//!   read the snapshot of its first read). A relay that dies in one releases the lock with its
-//!   connection. `GET_LOCK` is not used: its locks belong to the session, not the transaction,
-//!   and would outlive a transaction whose connection goes back to the pool.
+//! - **One claimer at a time.** Claims, skips, requeues and the records that write deliveries
+//!   lock the one row of `<table>_claim_lock` first, for the rest of their transaction, and run
+//!   at READ COMMITTED: each statement sees what every earlier one committed (under REPEATABLE
+//!   READ a claim would read the snapshot of its first read). A relay that dies in one releases
+//!   the lock with its connection. `GET_LOCK` is not used: its locks belong to the session, not
+//!   the transaction, and would outlive a transaction whose connection goes back to the pool.
+//!   A record that only settles events takes no claim lock: what a claim writes that such a
+//!   record reads (an event set aside behind its claim) is written only while the claim holds
+//!   that claim's row in share mode, which the record's delete of the row waits for.
+//! - **Claims write one row.** The events a claim holds are listed in its row (with the first
+//!   event of each aggregate), not marked on the events: the scans leave out what live claims
+//!   list, and the events are free again the moment the row is deleted.
 //! - **No `LISTEN/NOTIFY`.** Commits wake relays of the same `Outbox` in-process, as on every
 //!   backend; relays of other processes find new events by polling.
 //! - **No partial indexes.** Generated columns that are NULL outside the rows a scan looks for
@@ -609,9 +615,9 @@ SELECT (SELECT count(*) FROM {outbox}
                 "DELETE FROM {deliveries} WHERE event_id = ? AND subscriber = ?"
             )),
             find_skippable_event: sql(format!(
-                "SELECT retry_count AS attempts, last_error FROM {outbox}
-                 WHERE id = ? AND published_at IS NULL
-                   AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL)
+                "SELECT o.retry_count AS attempts, o.last_error FROM {outbox} AS o
+                 WHERE o.id = ? AND o.published_at IS NULL
+                   AND (o.dead_at IS NOT NULL OR o.next_retry_at IS NOT NULL)
                    AND NOT {claimed}
                  FOR UPDATE",
                 claimed = dialect.claimed_event

@@ -544,6 +544,28 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
         ),
         (b1, Some("refunded by hand"), Some(b))
     );
+    // A dead event, skipped for every subscriber; a second skip finds nothing to skip.
+    assert!(outbox.skip(c1, None, "payload lost").await.unwrap());
+    assert!(!outbox.skip(c1, None, "again").await.unwrap());
+    let skipped = outbox
+        .list(&ListQuery::new(ListState::Skipped))
+        .await
+        .unwrap();
+    assert_eq!(
+        skipped
+            .iter()
+            .map(|s| (s.event_id, s.subscriber.clone(), s.reason.clone()))
+            .collect::<Vec<_>>(),
+        [
+            (
+                b1,
+                Some("y".to_owned()),
+                Some("refunded by hand".to_owned())
+            ),
+            (c1, None, Some("payload lost".to_owned()))
+        ]
+    );
+    assert_eq!(outbox.overview().await.unwrap().count(ListState::Dead), 0);
 }
 
 async fn a_failure_group_is_requeued_and_nothing_else<B: TestBackend>() {
