@@ -1290,7 +1290,7 @@ LIMIT ?"#
         })
     }
 
-    crate::views::operator_views!(MySqlPool, MySqlQueries);
+    crate::views::operator_views!(MySqlPool, MySqlQueries, MySqlConnection);
 
     async fn published_within(
         pool: &MySqlPool,
@@ -1455,17 +1455,6 @@ LIMIT ?"#
             .execute(conn)
             .await?
             .rows_affected())
-    }
-
-    async fn dead_events_failing(
-        conn: &mut MySqlConnection,
-        queries: &MySqlQueries,
-        first_line: &str,
-    ) -> Result<Vec<i64>, sqlx::Error> {
-        sqlx::query_scalar(queries.dead_events_failing.clone())
-            .bind(first_line)
-            .fetch_all(conn)
-            .await
     }
 
     async fn requeues(

@@ -1280,7 +1280,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         purge_step(pool, queries, older_than, i64::from(batch_size), after).await
     }
 
-    crate::views::operator_views!(PgPool, PgQueries);
+    crate::views::operator_views!(PgPool, PgQueries, PgConnection);
 
     async fn published_within(
         pool: &PgPool,
@@ -1407,17 +1407,6 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .execute(conn)
             .await?
             .rows_affected())
-    }
-
-    async fn dead_events_failing(
-        conn: &mut PgConnection,
-        queries: &PgQueries,
-        first_line: &str,
-    ) -> Result<Vec<i64>, sqlx::Error> {
-        sqlx::query_scalar(queries.dead_events_failing.clone())
-            .bind(first_line)
-            .fetch_all(conn)
-            .await
     }
 
     async fn requeues(

@@ -1079,7 +1079,7 @@ LIMIT $4"#
         })
     }
 
-    crate::views::operator_views!(SqlitePool, SqliteQueries);
+    crate::views::operator_views!(SqlitePool, SqliteQueries, SqliteConnection);
 
     async fn published_within(
         pool: &SqlitePool,
@@ -1231,17 +1231,6 @@ LIMIT $4"#
             .execute(conn)
             .await?
             .rows_affected())
-    }
-
-    async fn dead_events_failing(
-        conn: &mut SqliteConnection,
-        queries: &SqliteQueries,
-        first_line: &str,
-    ) -> Result<Vec<i64>, sqlx::Error> {
-        sqlx::query_scalar(queries.dead_events_failing.clone())
-            .bind(first_line)
-            .fetch_all(conn)
-            .await
     }
 
     async fn requeues(

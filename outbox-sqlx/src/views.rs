@@ -546,10 +546,11 @@ pub struct HeldBack {
 }
 
 /// The [`Backend`](crate::Backend) methods that read the operator views, the same on every
-/// backend (each has the queries `list`, `overview`, `dead_letter_groups` and `subscribers`):
-/// written once, expanded in each backend's impl with its pool and queries types.
+/// backend (each has the queries `list`, `overview`, `dead_letter_groups`, `subscribers` and
+/// `dead_events_failing`): written once, expanded in each backend's impl with its pool, queries
+/// and connection types.
 macro_rules! operator_views {
-    ($pool:ty, $queries:ty) => {
+    ($pool:ty, $queries:ty, $connection:ty) => {
         async fn list(
             pool: &$pool,
             queries: &$queries,
@@ -602,6 +603,17 @@ macro_rules! operator_views {
                 .iter()
                 .map(crate::backend::subscriber_status)
                 .collect()
+        }
+
+        async fn dead_events_failing(
+            conn: &mut $connection,
+            queries: &$queries,
+            first_line: &str,
+        ) -> Result<Vec<i64>, sqlx::Error> {
+            sqlx::query_scalar(queries.dead_events_failing.clone())
+                .bind(first_line)
+                .fetch_all(conn)
+                .await
         }
     };
 }
