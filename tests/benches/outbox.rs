@@ -464,27 +464,7 @@ async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
     loop {
         let start = Instant::now();
         let delivered = if mode == 0 {
-            // Runs until the slice is over or the backlog is gone, and records its last batch
-            // before returning.
-            let before = meter.delivered.load(Ordering::Relaxed);
-            let rest = events - done[1] - done[2];
-            // Ours and raw each run in a spawned task, as a service runs its relay: on a
-            // runtime worker, which drives the sockets itself, not on the main thread.
-            let (relay, meter) = (relay.clone(), meter.clone());
-            tokio::spawn(async move {
-                relay
-                    .run(async {
-                        while start.elapsed() < SLICE
-                            && meter.delivered.load(Ordering::Relaxed) < rest
-                        {
-                            tokio::time::sleep(Duration::from_millis(1)).await;
-                        }
-                    })
-                    .await;
-                meter.delivered.load(Ordering::Relaxed) - before
-            })
-            .await
-            .unwrap()
+            relay_slice(&relay, &meter, start, events - done[1] - done[2]).await
         } else {
             let (pool, asynchronous) = (pool.clone(), mode == 2);
             tokio::spawn(async move {
@@ -520,6 +500,36 @@ async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
         [rate(0), rate(1), rate(2)],
         commits.load(Ordering::Relaxed) as f64 / done[0] as f64 * 100.0,
     )
+}
+
+/// Runs `relay` from `start` until the slice is over or `rest` events are delivered (it records
+/// its last batch before returning); returns how many it delivered. In a spawned task, as a
+/// service runs its relay: on a runtime worker, which drives the sockets itself, not on the
+/// main thread.
+async fn relay_slice<S, R>(
+    relay: &Arc<Relay<S, R>>,
+    meter: &Meter,
+    start: Instant,
+    rest: u64,
+) -> u64
+where
+    S: Store + Send + Sync + 'static,
+    R: outbox_core::Router + Send + Sync + 'static,
+{
+    let before = meter.delivered.load(Ordering::Relaxed);
+    let (relay, meter) = (relay.clone(), meter.clone());
+    tokio::spawn(async move {
+        relay
+            .run(async {
+                while start.elapsed() < SLICE && meter.delivered.load(Ordering::Relaxed) < rest {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            })
+            .await;
+        meter.delivered.load(Ordering::Relaxed) - before
+    })
+    .await
+    .unwrap()
 }
 
 /// One cycle of the raw drain: claim 500 with `SKIP LOCKED`, mark them published, commit.

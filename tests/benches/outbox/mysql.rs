@@ -3,7 +3,6 @@
 //! one database.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use outbox_core::{Relay, RelayConfig};
@@ -12,7 +11,7 @@ use outbox_tests::my::TestMyDb;
 use sqlx::{MySql, MySqlPool};
 use uuid::Uuid;
 
-use super::{Bench, Deposited, Ledger, Meter, SLICE, alternate_commits, report};
+use super::{Bench, Deposited, Ledger, Meter, SLICE, alternate_commits, relay_slice, report};
 
 async fn setup(accounts: usize) -> (TestMyDb, Outbox<MySql, Bench>, Vec<Uuid>) {
     let db = TestMyDb::new().await;
@@ -163,23 +162,7 @@ async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
     loop {
         let start = Instant::now();
         let delivered = if mode == 0 {
-            let before = meter.delivered.load(Ordering::Relaxed);
-            let rest = events - done[1];
-            let (relay, meter) = (relay.clone(), meter.clone());
-            tokio::spawn(async move {
-                relay
-                    .run(async {
-                        while start.elapsed() < SLICE
-                            && meter.delivered.load(Ordering::Relaxed) < rest
-                        {
-                            tokio::time::sleep(Duration::from_millis(1)).await;
-                        }
-                    })
-                    .await;
-                meter.delivered.load(Ordering::Relaxed) - before
-            })
-            .await
-            .unwrap()
+            relay_slice(&relay, &meter, start, events - done[1]).await
         } else {
             let pool = pool.clone();
             tokio::spawn(async move {
