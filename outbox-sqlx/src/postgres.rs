@@ -1,5 +1,6 @@
 //! The PostgreSQL backend.
 
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
@@ -84,6 +85,11 @@ const MIGRATIONS: &[Migration] = &[
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
+    /// No claim with a lower id is live: the claim reads the claims table from here, by index
+    /// (rows deleted below it may be kept for a long time by a session holding an old
+    /// snapshot). Claims are taken one at a time and their ids only grow, so the lowest live
+    /// claim one claim saw is a bound for every later claim; each claim returns the new one.
+    claims_floor: AtomicI64,
     /// Registers a relay (see [`Backend::register`]).
     register: SqlStr,
     unregister: SqlStr,
@@ -209,6 +215,7 @@ impl Backend for Postgres {
                              AS occurred_at";
         PgQueries {
             lock_namespace: names.lock_namespace(),
+            claims_floor: AtomicI64::new(0),
             register: sql(format!(
                 r#"
 WITH gone AS (
@@ -298,8 +305,12 @@ WITH gone AS (
     -- Expired claims end: their events and deliveries are free again and count a redelivery.
     -- Rows locked by a record of their own claim (or by a handler fencing its writes on it)
     -- are skipped, not waited for, and treated as live: they are, for a moment more.
-    DELETE FROM {claims} WHERE id IN (
-        SELECT id FROM {claims} WHERE until < clock_timestamp() FOR UPDATE SKIP LOCKED)
+    -- (Every read of the claims table starts at $6, below which no claim is live, by index:
+    -- the rows deleted below it may be kept long, by a session holding an old snapshot.)
+    DELETE FROM {claims} WHERE id = ANY(ARRAY(
+        SELECT id FROM {claims} WHERE id >= $6 AND until < clock_timestamp()
+        ORDER BY id
+        FOR UPDATE SKIP LOCKED))
     RETURNING id, event_ids
 ),
 gone_events AS MATERIALIZED (
@@ -318,7 +329,7 @@ ended AS (
     -- Claims that events were set aside behind, and that are over: recorded, or expired now.
     DELETE FROM {holds} AS h
     WHERE h.claim_id = ANY(ARRAY(SELECT g.id FROM gone AS g))
-       OR NOT EXISTS (SELECT 1 FROM {claims} AS c WHERE c.id = h.claim_id)
+       OR h.claim_id <> ALL(ARRAY(SELECT c.id FROM {claims} AS c WHERE c.id >= $6))
     RETURNING h.claim_id
 ),
 released AS (
@@ -332,7 +343,7 @@ active AS MATERIALIZED (
     FROM {claims} AS c
     CROSS JOIN LATERAL unnest(c.event_ids, c.aggregate_types, c.aggregate_ids)
         AS a(event_id, aggregate_type, aggregate_id)
-    WHERE c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))
+    WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))
 ),
 claimed_aggregates AS MATERIALIZED (
     SELECT a.aggregate_type, a.aggregate_id, min(a.claim_id) AS claim_id,
@@ -551,9 +562,12 @@ SELECT * FROM claimed_events
 UNION ALL
 SELECT * FROM claimed_deliveries
 UNION ALL
--- The last row says how many events were set aside (the id is NULL), and the version of the
--- relay registry this claim saw.
-SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL, NULL,
+-- The last row says how many events were set aside (the id is NULL), the lowest claim live
+-- after this one (NULL: none), and the version of the relay registry this claim saw.
+SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
+       least((SELECT min(c.id) FROM {claims} AS c
+              WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))),
+             (SELECT id FROM claim)),
        (SELECT count(*) FROM marked)::int4, NULL,
        (SELECT coalesce(string_agg(r.generation::text, ',' ORDER BY r.generation), '')
         FROM {relays} AS r),
@@ -994,12 +1008,14 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(hold_after(lease).as_secs_f64())
             .bind(&filter.skip_event_types)
             .bind(&filter.skip_subscribers)
+            .bind(queries.claims_floor.load(Relaxed))
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
         let mut token = None;
         let mut set_aside = 0;
         let mut registry = None;
+        let mut floor = None;
         let mut claims = Vec::with_capacity(rows.len());
         for row in &rows {
             token = token.or(row.try_get::<Option<i64>, _>(0)?);
@@ -1007,10 +1023,16 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 Some(_) => claims.push(claim_from_row(row)?),
                 // The last row: how many events were set aside, the registry's version.
                 None => {
+                    floor = row.try_get::<Option<i64>, _>(6)?;
                     set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0);
                     registry = row.try_get::<Option<String>, _>(9)?;
                 }
             }
+        }
+        // Committed: what this claim saw is settled. (A rolled-back claim's expired claims
+        // would still be live.)
+        if let Some(floor) = floor {
+            queries.claims_floor.fetch_max(floor, Relaxed);
         }
         let Some(token) = token.filter(|_| !claims.is_empty()) else {
             return Ok(Batch::empty()
@@ -1724,6 +1746,34 @@ mod tests {
         own + children
     }
 
+    /// Pages of `relation` (its heap and its indexes) that the scans of `plan` read.
+    fn blocks_read(plan: &Value, relation: &str) -> f64 {
+        let scan = plan
+            .get("Node Type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| t.ends_with("Scan"));
+        let blocks = |plan: &Value| {
+            ["Shared Hit Blocks", "Shared Read Blocks"]
+                .iter()
+                .map(|key| plan.get(key).and_then(Value::as_f64).unwrap_or(0.0))
+                .sum::<f64>()
+        };
+        let children = plan
+            .get("Plans")
+            .and_then(Value::as_array)
+            .map_or(&[][..], Vec::as_slice);
+        // A node's counts include its children's: its own are the difference.
+        let own = if scan && plan.get("Relation Name").and_then(Value::as_str) == Some(relation) {
+            blocks(plan) - children.iter().map(blocks).sum::<f64>()
+        } else {
+            0.0
+        };
+        own + children
+            .iter()
+            .map(|p| blocks_read(p, relation))
+            .sum::<f64>()
+    }
+
     /// Another relay's claim holds its events' aggregates back: their later events are not
     /// claimed until it is recorded or expires. Claims written before migration 5 (with their
     /// aggregate ids since migration 4, without before) are completed by the migration and hold
@@ -1810,6 +1860,16 @@ mod tests {
     /// Runs a claim of `batch` as the relay does (its transaction's settings, a generic plan) on
     /// `conn`, under EXPLAIN ANALYZE, and returns the plan; commits the claim or rolls it back.
     async fn explain_claim(conn: &mut PgConnection, batch: i64, rollback: bool) -> Value {
+        explain_claim_from(conn, batch, rollback, 0).await
+    }
+
+    /// [`explain_claim`] for a relay that knows no claim older than `claims_floor` is live.
+    async fn explain_claim_from(
+        conn: &mut PgConnection,
+        batch: i64,
+        rollback: bool,
+        claims_floor: i64,
+    ) -> Value {
         let queries = Postgres::queries(&TableNames::default());
         let prepared: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_prepared_statements WHERE name = 'claim')",
@@ -1822,7 +1882,7 @@ mod tests {
             .unwrap();
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE claim(int8, float8, float8, text[], text[]) AS {}",
+                "PREPARE claim(int8, float8, float8, text[], text[], int8) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -1831,7 +1891,8 @@ mod tests {
         }
         // `json` is sent as its text; this crate does not enable sqlx's `json` feature.
         let explained: String = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}')"
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
+             EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor})"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -1841,6 +1902,54 @@ mod tests {
         let end = if rollback { "ROLLBACK" } else { "COMMIT" };
         conn.execute(end).await.unwrap();
         serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone()
+    }
+
+    /// A session that holds an old snapshot (idle in a transaction, a long report) keeps every
+    /// claim row deleted since: vacuum can remove none, and a relay under load claims and
+    /// records hundreds of batches a second. A claim reads the claims table from the oldest
+    /// claim it knew to be live, by index: a few pages, not every row the snapshot keeps.
+    #[tokio::test]
+    async fn a_claim_reads_the_live_claims_not_every_claim_a_held_snapshot_keeps() {
+        const KEPT: i64 = 5_000;
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        sqlx::query(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'E', '{}' FROM generate_series(1, 30)",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let mut held = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(
+            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM events.outbox_claims",
+        )
+        .execute(&mut *held)
+        .await
+        .unwrap();
+        // Batches claimed and recorded while it holds its snapshot.
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox_claims (until, event_ids, aggregate_types, aggregate_ids)
+             SELECT now() + interval '1 minute', ARRAY[g::int8], '{{a}}', ARRAY[gen_random_uuid()]
+             FROM generate_series(1, {KEPT}) AS g;
+             DELETE FROM events.outbox_claims;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+        // The relay's claim, which stays live (its batch is being delivered), and the next one.
+        assert_eq!(claim_ten(&db.pool, &queries).await.claims.len(), 10);
+        let mut conn = db.pool.acquire().await.unwrap();
+        let plan =
+            explain_claim_from(&mut conn, 10, true, queries.claims_floor.load(Relaxed)).await;
+        assert_eq!(plan["Actual Rows"], 11, "the next claim took the next 10");
+        let pages = blocks_read(&plan, "outbox_claims");
+        assert!(
+            pages <= 10.0,
+            "a claim read {pages} pages of claims ({KEPT} deleted rows kept): {plan:#}"
+        );
+        held.execute("ROLLBACK").await.unwrap();
     }
 
     /// Events held back cost a claim a bounded amount of work, however many: an aggregate with
