@@ -29,7 +29,7 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 14] = [
+const INDEXES: [&str; 16] = [
     "pending_idx",
     "published_idx",
     "aggregate_idx",
@@ -44,6 +44,9 @@ const INDEXES: [&str; 14] = [
     "deliveries_event_idx",
     "deliveries_claim_idx",
     "inbox_handled_idx",
+    "waiting_idx",
+    // Not an index: PostgreSQL's trigger (and its function) that counts events put back.
+    "put_back",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
@@ -122,6 +125,7 @@ impl TableNames {
             .replace("{inbox}", &table("_inbox"))
             .replace("{relays}", &table("_relays"))
             .replace("{requeues}", &table("_requeues"))
+            .replace("{released}", &table("_released"))
             .replace("{claim_lock}", &table("_claim_lock"))
             .replace("{aggregate_locks}", &table("_aggregate_locks"));
         for name in INDEXES {

@@ -1,5 +1,6 @@
 //! The PostgreSQL backend.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
 use std::time::Duration;
 
@@ -8,7 +9,7 @@ use outbox_core::store::{
     Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
     Recorded, Registry, Status,
 };
-use std::sync::Weak;
+use std::sync::{Mutex, PoisonError, Weak};
 
 use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
 use sqlx::{Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr, Transaction};
@@ -78,6 +79,11 @@ const MIGRATIONS: &[Migration] = &[
         "a record of requeues made with a reason",
         include_str!("../migrations/postgres/0010_a_record_of_requeues.sql"),
     ),
+    (
+        11,
+        "the relay scans pending events from a floor",
+        include_str!("../migrations/postgres/0011_the_relay_scans_from_a_floor.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -90,6 +96,8 @@ pub struct PgQueries {
     /// snapshot). Claims are taken one at a time and their ids only grow, so the lowest live
     /// claim one claim saw is a bound for every later claim; each claim returns the new one.
     claims_floor: AtomicI64,
+    /// Where the claim's scan of pending events starts.
+    events_floor: Mutex<EventFloor>,
     /// Registers a relay (see [`Backend::register`]).
     register: SqlStr,
     unregister: SqlStr,
@@ -174,6 +182,74 @@ const STATEMENT_TIMEOUT: &str = "10s";
 /// before the server ends its session and so releases the claim lock.
 const IDLE_TIMEOUT: &str = "2s";
 
+/// Where a claim's scan of pending events starts: a floor below which no event is pending, nor
+/// can become pending again unannounced.
+///
+/// A session that holds an old snapshot (idle in a transaction, a long report) keeps the index
+/// entries of every event published since: a scan from the lowest id reads them all, on every
+/// claim. The floor follows the relay instead. Each claim reports a bound: the lowest id that
+/// is pending and unclaimed, in a live claim, parked or held by a claim (or, when nothing is,
+/// the next id), and its snapshot's `xmax`. A bound is not a floor yet: a transaction running
+/// then may commit an event below it (ids are drawn before commit; publishing takes its
+/// transaction id before its event's id, so that it counts as running). The bound becomes the
+/// floor at a later claim whose snapshot's `xmin` has passed that `xmax` (every such
+/// transaction has ended) and whose scan, still from the old floor, saw what they committed:
+/// the floor is the lower of the bound and that claim's own bound. (The snapshots' `xmin` is
+/// the server's: a long transaction in another database of the server holds the floor where it
+/// is until it ends, and the scan reads from there meanwhile, as without a floor.)
+///
+/// Events below it come back only announced: a requeue, or the skip of an event that others
+/// were set aside behind, moves the `<table>_released` sequence; a claim that sees it move
+/// scans from the lowest id, and the floor starts again. (Dead events, and events set aside
+/// behind them, are not counted in bounds: a dead letter would otherwise pin the floor until
+/// an operator came.)
+#[derive(Debug, Default)]
+struct EventFloor {
+    floor: i64,
+    /// `<table>_released` when the floor was set.
+    released: i64,
+    /// Claims' bounds with their snapshots' `xmax`, oldest first: a busy server always runs
+    /// some transaction, so the bound that qualifies is seldom the last one.
+    bounds: VecDeque<(i64, u64)>,
+}
+
+/// How many bounds the floor keeps waiting (older ones are dropped: the floor only moves later).
+const FLOOR_BOUNDS: usize = 256;
+
+impl EventFloor {
+    /// The floor and the count of releases it holds for: the claim's `$7` and `$8`.
+    fn scan_from(&self) -> (i64, i64) {
+        (self.floor, self.released)
+    }
+
+    /// What a committed claim saw: the releases count, its bound, its snapshot's `xmin` and
+    /// `xmax`.
+    fn advance(&mut self, released: i64, bound: Option<i64>, xmin: u64, xmax: u64) {
+        if released != self.released {
+            // Events were put back: this claim scanned from the start, and the floor starts
+            // again from its bound.
+            *self = Self {
+                released,
+                ..Self::default()
+            };
+        } else if let Some(qualified) = self.bounds.iter().rposition(|&(_, taken)| xmin >= taken) {
+            // Every transaction running when that bound was taken has ended before this
+            // claim's snapshot, and this claim scanned from the old floor: what they committed
+            // below the bound is in this claim's bound.
+            let (earlier, _) = self.bounds[qualified];
+            self.bounds.drain(..=qualified);
+            let floor = bound.map_or(earlier, |bound| bound.min(earlier));
+            self.floor = self.floor.max(floor);
+        }
+        if let Some(bound) = bound {
+            if self.bounds.len() == FLOOR_BOUNDS {
+                self.bounds.pop_front();
+            }
+            self.bounds.push_back((bound, xmax));
+        }
+    }
+}
+
 /// The first line of the text column `c`, as failure groups compare errors.
 fn first_line(c: &str) -> String {
     format!("split_part(coalesce({c}, ''), E'\\n', 1)")
@@ -191,6 +267,7 @@ impl Backend for Postgres {
         let inbox = names.qualified("_inbox");
         let relays = names.qualified("_relays");
         let requeues = names.qualified("_requeues");
+        let released = names.qualified("_released");
         let dialect = Dialect {
             outbox: &outbox,
             deliveries: &deliveries,
@@ -216,6 +293,7 @@ impl Backend for Postgres {
         PgQueries {
             lock_namespace: names.lock_namespace(),
             claims_floor: AtomicI64::new(0),
+            events_floor: Mutex::default(),
             register: sql(format!(
                 r#"
 WITH gone AS (
@@ -278,17 +356,22 @@ FROM {deliveries} WHERE event_id = $1 AND subscriber = $2"#
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
                  SELECT pg_advisory_xact_lock({lock})"
             )),
+            // Both take the aggregates' locks, then the transaction's id, before the events
+            // draw theirs: a claim while the event is not written yet counts the transaction
+            // as running (`EventFloor`). (Drawing an id takes none, except one in 32.)
             insert_one: sql(format!(
                 r#"
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
 SELECT $3, $4, $5, $6::jsonb, $7, coalesce($8, now())
-FROM pg_advisory_xact_lock($1::int4, $2::int4)"#
+FROM pg_advisory_xact_lock($1::int4, $2::int4), pg_current_xact_id()"#
             )),
             insert: sql(format!(
                 r#"
 WITH locks AS MATERIALIZED (
     SELECT pg_advisory_xact_lock($1::int4, k)
     FROM (SELECT DISTINCT unnest($2::int4[]) AS k ORDER BY 1) AS keys
+    UNION ALL
+    SELECT NULL FROM pg_current_xact_id()
 )
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
 SELECT e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb, e.payload_text,
@@ -350,13 +433,22 @@ claimed_aggregates AS MATERIALIZED (
            min(a.claimed_at) AS claimed_at
     FROM active AS a GROUP BY a.aggregate_type, a.aggregate_id
 ),
+put_back AS MATERIALIZED (
+    -- How many times events were put back below floors.
+    SELECT CASE WHEN r.is_called THEN r.last_value ELSE 0 END AS n FROM {released} AS r
+),
+scan_from AS MATERIALIZED (
+    -- The relay's floor ($7), if nothing was put back since it was set ($8); else the start.
+    SELECT CASE WHEN p.n = $8 THEN $7 ELSE 0 END AS id FROM put_back AS p
+),
 scanned AS (
-    -- The next pending events that nothing holds, in id order: a batch of them, whatever
-    -- waits elsewhere (held events are out of this index).
+    -- The next pending events that nothing holds, in id order from the floor: a batch of
+    -- them, whatever waits elsewhere (held events are out of this index).
     SELECT {event_columns}, o.retry_count, o.expired_claims
     FROM {outbox} AS o
     WHERE o.published_at IS NULL AND o.dead_at IS NULL AND o.next_retry_at IS NULL
       AND o.held_by IS NULL AND o.held_behind IS NULL
+      AND o.id >= (SELECT f.id FROM scan_from AS f)
       -- NOT IN over a subquery is a hash lookup, whatever the planner thinks of the backlog.
       AND o.id NOT IN (SELECT a.event_id FROM active AS a)
     ORDER BY o.id
@@ -563,7 +655,9 @@ UNION ALL
 SELECT * FROM claimed_deliveries
 UNION ALL
 -- The last row says how many events were set aside (the id is NULL), the lowest claim live
--- after this one (NULL: none), and the version of the relay registry this claim saw.
+-- after this one (NULL: none), the version of the relay registry this claim saw, and what the
+-- event floor needs (`EventFloor`): the releases count, this claim's bound, its snapshot's
+-- xmin and xmax.
 SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
        least((SELECT min(c.id) FROM {claims} AS c
               WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))),
@@ -571,7 +665,18 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
        (SELECT count(*) FROM marked)::int4, NULL,
        (SELECT coalesce(string_agg(r.generation::text, ',' ORDER BY r.generation), '')
         FROM {relays} AS r),
-       NULL"#
+       ARRAY[
+           (SELECT p.n FROM put_back AS p)::text,
+           least(
+               coalesce((SELECT min(s.id) FROM scanned AS s),
+                        (SELECT max(o.id) + 1 FROM {outbox} AS o)),
+               (SELECT min(a.event_id) FROM active AS a),
+               -- (`waiting_idx`: one probe.)
+               (SELECT min(w.id) FROM {outbox} AS w
+                WHERE w.published_at IS NULL AND w.dead_at IS NULL
+                  AND (w.next_retry_at IS NOT NULL OR w.held_by IS NOT NULL)))::text,
+           pg_snapshot_xmin(pg_current_snapshot())::text,
+           pg_snapshot_xmax(pg_current_snapshot())::text]"#
             )),
             renew: sql(format!(
                 "UPDATE {claims} SET until = clock_timestamp() + $2 * interval '1 second'
@@ -999,6 +1104,11 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     ) -> Result<Batch, sqlx::Error> {
         // One claimer at a time: the transaction's first statements take the claim lock; the
         // claim statement then sees every claim and record committed before it was granted.
+        let (events_floor, released) = queries
+            .events_floor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .scan_from();
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
         #[cfg(feature = "_fault-injection")]
         crate::__fault_injection::claim_lock_held();
@@ -1009,6 +1119,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(&filter.skip_event_types)
             .bind(&filter.skip_subscribers)
             .bind(queries.claims_floor.load(Relaxed))
+            .bind(events_floor)
+            .bind(released)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -1016,6 +1128,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         let mut set_aside = 0;
         let mut registry = None;
         let mut floor = None;
+        let mut seen = Vec::new();
         let mut claims = Vec::with_capacity(rows.len());
         for row in &rows {
             token = token.or(row.try_get::<Option<i64>, _>(0)?);
@@ -1026,6 +1139,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                     floor = row.try_get::<Option<i64>, _>(6)?;
                     set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0);
                     registry = row.try_get::<Option<String>, _>(9)?;
+                    seen = row.try_get::<Vec<Option<String>>, _>(10)?;
                 }
             }
         }
@@ -1033,6 +1147,18 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         // would still be live.)
         if let Some(floor) = floor {
             queries.claims_floor.fetch_max(floor, Relaxed);
+        }
+        // (Sent as text: the last row's columns have the claimed rows' types.)
+        let seen = |i: usize| seen.get(i).cloned().flatten().unwrap_or_default();
+        if let (Ok(released), Ok(xmin), Ok(xmax)) =
+            (seen(0).parse(), seen(2).parse(), seen(3).parse())
+        {
+            let bound = seen(1).parse().ok();
+            let mut events_floor = queries
+                .events_floor
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            events_floor.advance(released, bound, xmin, xmax);
         }
         let Some(token) = token.filter(|_| !claims.is_empty()) else {
             return Ok(Batch::empty()
@@ -1860,16 +1986,20 @@ mod tests {
     /// Runs a claim of `batch` as the relay does (its transaction's settings, a generic plan) on
     /// `conn`, under EXPLAIN ANALYZE, and returns the plan; commits the claim or rolls it back.
     async fn explain_claim(conn: &mut PgConnection, batch: i64, rollback: bool) -> Value {
-        explain_claim_from(conn, batch, rollback, 0).await
+        let fresh = Postgres::queries(&TableNames::default());
+        explain_claim_of(conn, batch, rollback, &fresh).await
     }
 
-    /// [`explain_claim`] for a relay that knows no claim older than `claims_floor` is live.
-    async fn explain_claim_from(
+    /// [`explain_claim`] by a relay whose earlier claims went through `queries`: from the floors
+    /// they left.
+    async fn explain_claim_of(
         conn: &mut PgConnection,
         batch: i64,
         rollback: bool,
-        claims_floor: i64,
+        queries: &PgQueries,
     ) -> Value {
+        let claims_floor = queries.claims_floor.load(Relaxed);
+        let (events_floor, released) = queries.events_floor.lock().unwrap().scan_from();
         let queries = Postgres::queries(&TableNames::default());
         let prepared: bool = sqlx::query_scalar(
             "SELECT EXISTS (SELECT 1 FROM pg_prepared_statements WHERE name = 'claim')",
@@ -1882,7 +2012,7 @@ mod tests {
             .unwrap();
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE claim(int8, float8, float8, text[], text[], int8) AS {}",
+                "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -1892,7 +2022,8 @@ mod tests {
         // `json` is sent as its text; this crate does not enable sqlx's `json` feature.
         let explained: String = sqlx::query(AssertSqlSafe(format!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
-             EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor})"
+             EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
+                           {released})"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -1902,6 +2033,48 @@ mod tests {
         let end = if rollback { "ROLLBACK" } else { "COMMIT" };
         conn.execute(end).await.unwrap();
         serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone()
+    }
+
+    /// The floor takes a bound only once the transactions running when it was taken have
+    /// ended, and then no higher than what a later claim, scanning from the old floor, saw; it
+    /// never goes down but starts again when events are put back.
+    #[test]
+    fn the_floor_waits_for_the_transactions_of_its_bound_and_starts_again_when_events_are_put_back()
+    {
+        let mut floor = EventFloor::default();
+        // A claim sees pending events from 100; transactions up to xid 50 may still commit.
+        floor.advance(0, Some(100), 40, 50);
+        assert_eq!(floor.scan_from(), (0, 0), "a bound is not a floor yet");
+        // The transaction with xid 45 is still running: no floor yet.
+        floor.advance(0, Some(120), 45, 60);
+        assert_eq!(floor.scan_from(), (0, 0));
+        // Every transaction below xid 60 has ended, and this claim (from the old floor) found
+        // what one of them committed at 90.
+        floor.advance(0, Some(90), 60, 70);
+        assert_eq!(
+            floor.scan_from(),
+            (90, 0),
+            "the lower of the bound and what was found"
+        );
+        floor.advance(0, Some(130), 70, 80);
+        assert_eq!(floor.scan_from(), (90, 0));
+        // Nothing pending: the claim's bound is the next id.
+        floor.advance(0, Some(200), 80, 90);
+        assert_eq!(floor.scan_from(), (130, 0));
+        // A bound below the floor (a parked event, say) does not lower it.
+        floor.advance(0, Some(50), 90, 95);
+        assert_eq!(floor.scan_from(), (130, 0));
+        // Events were put back: the claim scanned from the start, and the floor starts again.
+        floor.advance(1, Some(10), 95, 100);
+        assert_eq!(floor.scan_from(), (0, 1));
+        floor.advance(1, Some(300), 100, 110);
+        assert_eq!(floor.scan_from(), (10, 1));
+        // A long transaction (xid 105): the bounds taken since wait; the newest one whose
+        // transactions have all ended is taken.
+        floor.advance(1, Some(400), 105, 120);
+        assert_eq!(floor.scan_from(), (10, 1));
+        floor.advance(1, Some(500), 115, 130);
+        assert_eq!(floor.scan_from(), (300, 1));
     }
 
     /// A session that holds an old snapshot (idle in a transaction, a long report) keeps every
@@ -1941,13 +2114,91 @@ mod tests {
         // The relay's claim, which stays live (its batch is being delivered), and the next one.
         assert_eq!(claim_ten(&db.pool, &queries).await.claims.len(), 10);
         let mut conn = db.pool.acquire().await.unwrap();
-        let plan =
-            explain_claim_from(&mut conn, 10, true, queries.claims_floor.load(Relaxed)).await;
+        let plan = explain_claim_of(&mut conn, 10, true, &queries).await;
         assert_eq!(plan["Actual Rows"], 11, "the next claim took the next 10");
         let pages = blocks_read(&plan, "outbox_claims");
         assert!(
             pages <= 10.0,
             "a claim read {pages} pages of claims ({KEPT} deleted rows kept): {plan:#}"
+        );
+        held.execute("ROLLBACK").await.unwrap();
+    }
+
+    /// A session that holds an old snapshot keeps the index entries of every event published
+    /// since (vacuum can remove none): a claim that scanned pending events from the lowest id
+    /// read them all, more with every batch, until the relay fell behind. The scan starts at a
+    /// floor that follows the relay: after thousands of events published under the held
+    /// snapshot, a claim reads a few pages of the outbox.
+    #[tokio::test]
+    async fn a_claim_scans_from_a_floor_not_every_event_a_held_snapshot_keeps() {
+        const EVENTS: i64 = 20_000;
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let mut held = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM events.outbox")
+            .execute(&mut *held)
+            .await
+            .unwrap();
+        let publish = async |n: i64| {
+            sqlx::query(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                 SELECT 'a', gen_random_uuid(), 'E', '{}' FROM generate_series(1, $1)",
+            )
+            .bind(n)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        };
+        publish(EVENTS).await;
+        // The relay drains them in batches while the snapshot is held.
+        let mut drained = 0;
+        while drained < EVENTS {
+            let batch = Postgres::claim(
+                &db.pool,
+                &queries,
+                500,
+                Duration::from_secs(60),
+                &ClaimFilter::default(),
+            )
+            .await
+            .unwrap();
+            assert!(
+                !batch.claims.is_empty(),
+                "{drained} drained, then nothing claimed"
+            );
+            drained += i64::try_from(batch.claims.len()).unwrap();
+            let outcomes = Outcomes {
+                events: batch
+                    .claims
+                    .iter()
+                    .map(|c| (c.event_id(), EventOutcome::Published))
+                    .collect(),
+                deliveries: Vec::new(),
+            };
+            let recorded = Postgres::record(&db.pool, &queries, batch.token, &outcomes);
+            assert_eq!(recorded.await.unwrap(), Recorded::Applied);
+        }
+        // The floor passes them once every transaction of the server that ran while they were
+        // claimed has ended (other tests' too): claims until it has.
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+        while queries.events_floor.lock().unwrap().scan_from().0 <= EVENTS {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the floor stayed at {:?}",
+                queries.events_floor.lock().unwrap()
+            );
+            claim_ten(&db.pool, &queries).await;
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        publish(10).await;
+
+        let mut conn = db.pool.acquire().await.unwrap();
+        let plan = explain_claim_of(&mut conn, 10, true, &queries).await;
+        assert_eq!(plan["Actual Rows"], 11, "the claim took the 10 new events");
+        let pages = blocks_read(&plan, "outbox");
+        assert!(
+            pages <= 40.0,
+            "a claim read {pages} pages of the outbox ({EVENTS} published events kept): {plan:#}"
         );
         held.execute("ROLLBACK").await.unwrap();
     }

@@ -146,3 +146,172 @@ async fn wait_until_listening(db: &TestDb) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// A publishing transaction draws its event's id before it writes the event: for a moment it
+/// holds an id and nothing else. It takes its transaction id first, so that a claim in that
+/// moment counts it as running and the floor of the relay's scan (which follows the relay)
+/// waits for it. The moment is made long here: a trigger holds the insert between drawing the
+/// id and writing the row, while the relay claims and delivers later events again and again.
+#[tokio::test]
+async fn an_event_whose_id_was_drawn_before_claims_and_written_after_them_is_delivered() {
+    let (db, outbox) = setup().await;
+    let (late, other) = (Uuid::new_v4(), Uuid::new_v4());
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "CREATE FUNCTION events.hold_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF NEW.aggregate_id = '{late}' THEN
+                 PERFORM pg_advisory_lock_shared(4242);
+                 PERFORM pg_advisory_unlock_shared(4242);
+             END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER hold_insert BEFORE INSERT ON events.outbox
+             FOR EACH ROW EXECUTE FUNCTION events.hold_insert();"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), OnlyX::new(&probe), config()).unwrap();
+    let wait = Duration::from_secs(20);
+    // (Not the sequence's first id: a draw that writes the sequence ahead to the log takes a
+    // transaction id of its own, one in 32.)
+    publish_one(&outbox, other, 1).await;
+    outbox_tests::kit::run_until(&relay, wait, || probe.delivered_to("x").len() == 1).await;
+    let mut gate = db.pool.acquire().await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock(4242)")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    let held = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { publish_one(&outbox, late, 1).await }
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let waiting: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks
+                            WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if waiting {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the insert never reached the gate"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    for seq in 2..=4 {
+        publish_one(&outbox, other, seq).await;
+        outbox_tests::kit::run_until(&relay, wait, || {
+            probe.delivered_to("x").len() == seq as usize
+        })
+        .await;
+        relay.run_once().await.unwrap();
+    }
+    sqlx::query("SELECT pg_advisory_unlock(4242)")
+        .execute(&mut *gate)
+        .await
+        .unwrap();
+    held.await.unwrap();
+    outbox_tests::kit::run_until(&relay, wait, || probe.delivered_to("x").len() == 5).await;
+    assert_eq!(
+        probe.delivered_to("x"),
+        [(other, 1), (other, 2), (other, 3), (other, 4), (late, 1)]
+    );
+}
+
+/// Once the relay has moved on, a dead event and the events set aside behind it lie below the
+/// floor its scan starts from. Putting them back moves a sequence (a trigger does it, whoever
+/// puts them back: a requeue, an `outbox` tool of an earlier version, SQL by hand), and the
+/// relay then scans from the lowest id again: it finds them, in order.
+#[tokio::test]
+async fn events_put_back_below_the_floor_of_the_scan_are_delivered_in_order() {
+    let (db, outbox) = setup().await;
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), OnlyX::new(&probe), config()).unwrap();
+    let wait = Duration::from_secs(20);
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let undecodable = async |aggregate: Uuid| -> i64 {
+        sqlx::query_scalar(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('probe', $1, 'Ping', '{\"version\":1,\"data\":{\"seq\":1}}') RETURNING id",
+        )
+        .bind(aggregate)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+    };
+    let repair = async |id: i64, aggregate: Uuid| {
+        sqlx::query("UPDATE events.outbox SET payload = $2::jsonb WHERE id = $1")
+            .bind(id)
+            .bind(format!(
+                r#"{{"version":1,"data":{{"aggregate":"{aggregate}","seq":1}}}}"#
+            ))
+            .execute(&db.pool)
+            .await
+            .unwrap();
+    };
+    let dead = undecodable(a).await;
+    let dead_by_hand = undecodable(b).await;
+    for seq in 2..=3 {
+        publish_one(&outbox, a, seq).await;
+        publish_one(&outbox, b, seq).await;
+    }
+    let other = Uuid::new_v4();
+    for seq in 1..=3 {
+        publish_one(&outbox, other, seq).await;
+        outbox_tests::kit::run_until(&relay, wait, || {
+            probe.delivered_to("x").len() == seq as usize
+        })
+        .await;
+    }
+    for _ in 0..3 {
+        relay.run_once().await.unwrap();
+    }
+    let held: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM events.outbox WHERE held_behind IS NOT NULL")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+    assert_eq!(
+        held, 4,
+        "a's and b's later events wait behind their dead ones"
+    );
+
+    repair(dead, a).await;
+    assert_eq!(
+        outbox
+            .requeue(&outbox_core::store::Requeue::Events(vec![dead]))
+            .await
+            .unwrap(),
+        1
+    );
+    outbox_tests::kit::run_until(&relay, wait, || probe.delivered_to("x").len() == 6).await;
+    // What a requeue of an earlier version does, by hand.
+    repair(dead_by_hand, b).await;
+    sqlx::query(
+        "UPDATE events.outbox SET dead_at = NULL, next_retry_at = NULL, retry_count = 0
+         WHERE id = $1;",
+    )
+    .bind(dead_by_hand)
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    sqlx::query("UPDATE events.outbox SET held_behind = NULL WHERE held_behind = $1")
+        .bind(dead_by_hand)
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    outbox_tests::kit::run_until(&relay, wait, || probe.delivered_to("x").len() == 9).await;
+    let delivered = probe.delivered_to("x");
+    assert_eq!(
+        delivered[3..],
+        [(a, 1), (a, 2), (a, 3), (b, 1), (b, 2), (b, 3)]
+    );
+}
