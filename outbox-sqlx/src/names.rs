@@ -29,7 +29,7 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 16] = [
+const INDEXES: [&str; 17] = [
     "pending_idx",
     "published_idx",
     "aggregate_idx",
@@ -45,8 +45,10 @@ const INDEXES: [&str; 16] = [
     "deliveries_claim_idx",
     "inbox_handled_idx",
     "waiting_idx",
-    // Not an index: PostgreSQL's trigger (and its function) that counts events put back.
+    // Not indexes: PostgreSQL's trigger (and its function) that counts events put back, and
+    // the function that draws an event's id.
     "put_back",
+    "next_id",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
@@ -126,6 +128,7 @@ impl TableNames {
             .replace("{relays}", &table("_relays"))
             .replace("{requeues}", &table("_requeues"))
             .replace("{released}", &table("_released"))
+            .replace("{id_seq}", &table("_id_seq"))
             .replace("{claim_lock}", &table("_claim_lock"))
             .replace("{aggregate_locks}", &table("_aggregate_locks"));
         for name in INDEXES {

@@ -190,17 +190,18 @@ const IDLE_TIMEOUT: &str = "2s";
 /// claim. The floor follows the relay instead. Each claim reports a bound: the lowest id that
 /// is pending and unclaimed, in a live claim, parked or held by a claim (or, when nothing is,
 /// the next id), and its snapshot's `xmax`. A bound is not a floor yet: a transaction running
-/// then may commit an event below it (ids are drawn before commit; publishing takes its
-/// transaction id before its event's id, so that it counts as running). The bound becomes the
+/// then may commit an event below it (ids are drawn before commit; the id's default, since
+/// migration 11, takes the transaction id first, so that it counts as running). The bound becomes the
 /// floor at a later claim whose snapshot's `xmin` has passed that `xmax` (every such
 /// transaction has ended) and whose scan, still from the old floor, saw what they committed:
 /// the floor is the lower of the bound and that claim's own bound. (The snapshots' `xmin` is
 /// the server's: a long transaction in another database of the server holds the floor where it
 /// is until it ends, and the scan reads from there meanwhile, as without a floor.)
 ///
-/// Events below it come back only announced: a requeue, or the skip of an event that others
-/// were set aside behind, moves the `<table>_released` sequence; a claim that sees it move
-/// scans from the lowest id, and the floor starts again. (Dead events, and events set aside
+/// Events below it come back only announced: an update that puts a dead event, or an event set
+/// aside behind one, back among the pending (a requeue, a skip, by any code) moves the
+/// `<table>_released` sequence from a trigger; a claim that sees it move scans from the lowest
+/// id, and the floor starts again. (Dead events, and events set aside
 /// behind them, are not counted in bounds: a dead letter would otherwise pin the floor until
 /// an operator came.)
 #[derive(Debug, Default)]
@@ -356,22 +357,17 @@ FROM {deliveries} WHERE event_id = $1 AND subscriber = $2"#
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
                  SELECT pg_advisory_xact_lock({lock})"
             )),
-            // Both take the aggregates' locks, then the transaction's id, before the events
-            // draw theirs: a claim while the event is not written yet counts the transaction
-            // as running (`EventFloor`). (Drawing an id takes none, except one in 32.)
             insert_one: sql(format!(
                 r#"
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
 SELECT $3, $4, $5, $6::jsonb, $7, coalesce($8, now())
-FROM pg_advisory_xact_lock($1::int4, $2::int4), pg_current_xact_id()"#
+FROM pg_advisory_xact_lock($1::int4, $2::int4)"#
             )),
             insert: sql(format!(
                 r#"
 WITH locks AS MATERIALIZED (
     SELECT pg_advisory_xact_lock($1::int4, k)
     FROM (SELECT DISTINCT unnest($2::int4[]) AS k ORDER BY 1) AS keys
-    UNION ALL
-    SELECT NULL FROM pg_current_xact_id()
 )
 INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, payload_text, occurred_at)
 SELECT e.aggregate_type, e.aggregate_id, e.event_type, e.payload::jsonb, e.payload_text,

@@ -147,11 +147,13 @@ async fn wait_until_listening(db: &TestDb) {
     }
 }
 
-/// A publishing transaction draws its event's id before it writes the event: for a moment it
-/// holds an id and nothing else. It takes its transaction id first, so that a claim in that
-/// moment counts it as running and the floor of the relay's scan (which follows the relay)
-/// waits for it. The moment is made long here: a trigger holds the insert between drawing the
-/// id and writing the row, while the relay claims and delivers later events again and again.
+/// An insert draws its event's id before it writes the event: for a moment the transaction
+/// holds an id and nothing else. The id's default takes the transaction id first, so that a
+/// claim in that moment counts the transaction as running and the floor of the relay's scan
+/// (which follows the relay) waits for it; for every insert, `publish` or not. The moment is
+/// made long here: a trigger holds a plain `INSERT` (as a producer of an earlier build, or SQL
+/// by hand, makes it) between drawing the id and writing the row, while the relay claims and
+/// delivers later events again and again.
 #[tokio::test]
 async fn an_event_whose_id_was_drawn_before_claims_and_written_after_them_is_delivered() {
     let (db, outbox) = setup().await;
@@ -184,8 +186,20 @@ async fn an_event_whose_id_was_drawn_before_claims_and_written_after_them_is_del
         .await
         .unwrap();
     let held = tokio::spawn({
-        let outbox = outbox.clone();
-        async move { publish_one(&outbox, late, 1).await }
+        let pool = db.pool.clone();
+        async move {
+            sqlx::query(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('probe', $1, 'Ping', $2::jsonb)",
+            )
+            .bind(late)
+            .bind(format!(
+                r#"{{"version":1,"data":{{"aggregate":"{late}","seq":1}}}}"#
+            ))
+            .execute(&pool)
+            .await
+            .unwrap();
+        }
     });
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {

@@ -3,6 +3,17 @@
 -- session that holds an old snapshot keeps the index entries of every event published since,
 -- and a scan from the lowest id read them all on every claim.
 --
+-- A floor is sound only if a transaction has its transaction id before it draws an event id
+-- (a claim then counts it as running until it ends). `nextval` takes none (but for one draw in
+-- 32): the id's default takes the transaction id first, for every insert, by this crate, by
+-- a build of it before this migration, or by SQL by hand.
+SELECT '{id_seq}'::regclass;
+CREATE FUNCTION {schema}.{next_id}() RETURNS bigint LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    PERFORM pg_current_xact_id();
+    RETURN nextval('{id_seq}');
+END $$;
+ALTER TABLE {outbox} ALTER COLUMN id SET DEFAULT {schema}.{next_id}();
 -- What waits for a time or for a claim and comes back, parked events and events held by a
 -- claim, keeps the floor below it: its lowest id in one probe.
 CREATE INDEX {waiting_idx} ON {outbox} (id)
