@@ -317,11 +317,21 @@ WHERE id <> $1 AND seen_at >= now() - $3 * interval '1 second'"#
             )),
             unroutable: sql(format!(
                 r#"
--- Pending events (`pending_idx`, `stalled_idx`) and deliveries whose names no live relay
--- routes, and how long ago the oldest of them occurred.
+-- Pending events and deliveries whose names no live relay routes, and how long ago the oldest
+-- of them occurred. The events are read through `pending_idx` and `stalled_idx` (the
+-- conditions are theirs), never through the published events the table keeps.
 WITH events AS (
-    SELECT count(*) AS n, min(occurred_at) AS oldest FROM {outbox}
-    WHERE published_at IS NULL AND dead_at IS NULL AND event_type <> ALL($1::text[])
+    SELECT count(*) AS n, min(u.occurred_at) AS oldest FROM (
+        SELECT occurred_at FROM {outbox}
+        WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+          AND held_by IS NULL AND held_behind IS NULL AND event_type <> ALL($1::text[])
+        UNION ALL
+        SELECT occurred_at FROM {outbox}
+        WHERE published_at IS NULL
+          AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+               OR held_by IS NOT NULL OR held_behind IS NOT NULL)
+          AND dead_at IS NULL AND event_type <> ALL($1::text[])
+    ) AS u
 ),
 deliveries AS (
     SELECT count(*) AS n, min(o.occurred_at) AS oldest
@@ -2029,6 +2039,63 @@ mod tests {
         let end = if rollback { "ROLLBACK" } else { "COMMIT" };
         conn.execute(end).await.unwrap();
         serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone()
+    }
+
+    /// The status of a running relay counts what no live relay routes, every status interval:
+    /// it reads the unpublished events through their indexes, not the published ones the table
+    /// keeps for retention (30 days by default).
+    #[tokio::test]
+    async fn the_unroutable_count_reads_the_unpublished_events_not_the_retained_table() {
+        const RETAINED: i64 = 20_000;
+        let db = migrated().await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+             FROM generate_series(1, {RETAINED});
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'Unknown', '{{}}' FROM generate_series(1, 30);
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, next_retry_at)
+             SELECT 'a', gen_random_uuid(), 'Unknown', '{{}}', now()
+             FROM generate_series(1, 20);
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, dead_at)
+             SELECT 'a', gen_random_uuid(), 'Unknown', '{{}}', now()
+             FROM generate_series(1, 10);
+             ANALYZE events.outbox;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let (events, _, _) = Postgres::unroutable(&db.pool, &queries, vec!["E".into()], vec![])
+            .await
+            .unwrap();
+        assert_eq!(events, 50, "pending and parked, not dead nor published");
+
+        let mut conn = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "SET plan_cache_mode = force_generic_plan;
+             PREPARE unroutable(text[], text[]) AS {}",
+            queries.unroutable.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let explained: String =
+            sqlx::query("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE unroutable('{E}', '{}')")
+                .fetch_one(&mut *conn)
+                .await
+                .unwrap()
+                .try_get_unchecked(0)
+                .unwrap();
+        let plan = serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone();
+        let read = rows_read(&plan, "outbox");
+        assert!(
+            read <= 200.0,
+            "the count read {read} rows of an outbox of {RETAINED} published events: {plan:#}"
+        );
     }
 
     /// The floor takes a bound only once the transactions running when it was taken have
