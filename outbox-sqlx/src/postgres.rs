@@ -2140,6 +2140,17 @@ mod tests {
         assert_eq!(floor.scan_from(), (300, 1));
     }
 
+    /// A session idle in a `REPEATABLE READ` transaction: until it ends, vacuum removes nothing
+    /// deleted or updated after its snapshot.
+    async fn hold_a_snapshot(db: &TestDb) -> sqlx::pool::PoolConnection<Postgres> {
+        let mut held = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM events.outbox")
+            .execute(&mut *held)
+            .await
+            .unwrap();
+        held
+    }
+
     /// A session that holds an old snapshot (idle in a transaction, a long report) keeps every
     /// claim row deleted since: vacuum can remove none, and a relay under load claims and
     /// records hundreds of batches a second. A claim reads the claims table from the oldest
@@ -2156,13 +2167,7 @@ mod tests {
         .execute(&db.pool)
         .await
         .unwrap();
-        let mut held = db.pool.acquire().await.unwrap();
-        sqlx::raw_sql(
-            "BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM events.outbox_claims",
-        )
-        .execute(&mut *held)
-        .await
-        .unwrap();
+        let mut held = hold_a_snapshot(&db).await;
         // Batches claimed and recorded while it holds its snapshot.
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO events.outbox_claims (until, event_ids, aggregate_types, aggregate_ids)
@@ -2197,11 +2202,7 @@ mod tests {
         const EVENTS: i64 = 20_000;
         let db = migrated().await;
         let queries = Postgres::queries(&TableNames::default());
-        let mut held = db.pool.acquire().await.unwrap();
-        sqlx::raw_sql("BEGIN ISOLATION LEVEL REPEATABLE READ; SELECT count(*) FROM events.outbox")
-            .execute(&mut *held)
-            .await
-            .unwrap();
+        let mut held = hold_a_snapshot(&db).await;
         let publish = async |n: i64| {
             sqlx::query(
                 "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
