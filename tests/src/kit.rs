@@ -141,6 +141,8 @@ type Script = HashMap<(String, Uuid, u32), VecDeque<Fail>>;
 pub struct Probe {
     script: Arc<Mutex<Script>>,
     seen: Arc<Mutex<Vec<Seen>>>,
+    /// Calls running now.
+    pub busy: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Probe {
@@ -184,6 +186,9 @@ impl Probe {
     }
 
     async fn handle(&self, seen: Seen) -> Result<(), HandlerError> {
+        self.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        // Counted down however the call ends (a scripted panic too).
+        let _busy = Busy(&self.busy);
         let key = (seen.subscriber.clone(), seen.aggregate, seen.seq);
         let mut fail = self
             .script
@@ -228,6 +233,15 @@ impl Probe {
     fn log(&self, mut seen: Seen, ok: bool) {
         seen.ok = ok;
         self.seen.lock().unwrap().push(seen);
+    }
+}
+
+/// Counts a probe's call down when dropped.
+struct Busy<'a>(&'a std::sync::atomic::AtomicUsize);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
     }
 }
 
@@ -438,6 +452,12 @@ pub struct WatchedStore<S> {
     records_to_lose: Arc<std::sync::atomic::AtomicUsize>,
     /// How many records failed so.
     pub lost_records: Arc<std::sync::atomic::AtomicUsize>,
+    /// The handler calls running (see [`watching`](Self::watching)).
+    busy: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many claims that found work started while handler calls ran.
+    pub claimed_while_busy: Arc<std::sync::atomic::AtomicUsize>,
+    /// Notified each time such a claim returns.
+    pub claimed_ahead: Arc<tokio::sync::Notify>,
 }
 
 impl<S> WatchedStore<S> {
@@ -450,7 +470,18 @@ impl<S> WatchedStore<S> {
             statuses: Arc::default(),
             records_to_lose: Arc::default(),
             lost_records: Arc::default(),
+            busy: Arc::default(),
+            claimed_while_busy: Arc::default(),
+            claimed_ahead: Arc::new(tokio::sync::Notify::new()),
         }
+    }
+
+    /// Counts the claims that start while `busy` (a [`Probe`]'s running calls) is not zero
+    /// and find work: claims made ahead, while a batch runs.
+    #[must_use]
+    pub fn watching(mut self, busy: Arc<std::sync::atomic::AtomicUsize>) -> Self {
+        self.busy = busy;
+        self
     }
 
     /// Fails the first `n` records, as a relay that dies after its handlers ran would lose
@@ -470,9 +501,14 @@ impl<S: Store> Store for WatchedStore<S> {
         lease: Duration,
         filter: &outbox_core::store::ClaimFilter,
     ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        let busy = self.busy.load(SeqCst) > 0;
         let batch = self.inner.claim(limit, lease, filter).await?;
         if batch.is_empty() {
             self.idle.notify_one();
+        } else if busy {
+            self.claimed_while_busy.fetch_add(1, SeqCst);
+            self.claimed_ahead.notify_one();
         }
         Ok(batch)
     }

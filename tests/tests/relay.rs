@@ -38,6 +38,8 @@ on_every_backend!(
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
     graceful_shutdown_records_the_batch_in_progress,
     a_commit_in_this_process_wakes_an_idle_relay,
+    slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
+    a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1266,4 +1268,86 @@ async fn a_commit_in_this_process_wakes_an_idle_relay<B: TestBackend>() {
     publish_one(&outbox, a, 1).await;
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
     worker.abort();
+}
+
+/// Publishes `seqs` events of each of `aggregates` new aggregates, one round of all aggregates
+/// per seq (as commits of many aggregates interleave); each call of `x` will take `delay`.
+async fn publish_rounds<B: TestBackend>(
+    outbox: &TestOutbox<B>,
+    probe: &Probe,
+    aggregates: usize,
+    seqs: u32,
+    delay: Duration,
+) -> Vec<Uuid> {
+    let ids: Vec<Uuid> = (0..aggregates).map(|_| Uuid::new_v4()).collect();
+    for seq in 1..=seqs {
+        let round: Vec<Ping> = ids
+            .iter()
+            .map(|&aggregate| Ping { aggregate, seq })
+            .collect();
+        publish(outbox, &round).await;
+        for &aggregate in &ids {
+            probe.fail("x", aggregate, seq, [Fail::Delay(delay)]);
+        }
+    }
+    ids
+}
+
+/// Each aggregate's events reached `x` once each, in order.
+fn each_once_in_order(probe: &Probe, aggregates: &[Uuid], seqs: u32) {
+    let delivered = probe.delivered_to("x");
+    for &aggregate in aggregates {
+        let got: Vec<u32> = delivered
+            .iter()
+            .filter(|(a, _)| *a == aggregate)
+            .map(|&(_, seq)| seq)
+            .collect();
+        assert_eq!(got, (1..=seqs).collect::<Vec<_>>(), "aggregate {aggregate}");
+    }
+}
+
+async fn slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    // Batches of 40 calls made one at a time: each batch takes about 100 ms, its claim a few.
+    let aggregates = publish_rounds(&outbox, &probe, 100, 3, ms(2)).await;
+    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let ahead = store.claimed_while_busy.clone();
+    let slow = config().with_batch_size(40).with_concurrency(1);
+    let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 300).await;
+    worker.abort();
+    assert!(
+        ahead.load(std::sync::atomic::Ordering::SeqCst) > 0,
+        "no batch was claimed while a handler ran"
+    );
+    // The batch claimed ahead left out the aggregates of the batch still running.
+    each_once_in_order(&probe, &aggregates, 3);
+}
+
+async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let aggregates = publish_rounds(&outbox, &probe, 100, 3, ms(2)).await;
+    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let ahead = store.claimed_ahead.clone();
+    // A lease longer than this test waits: a batch kept claimed would not be delivered again
+    // in time.
+    let slow = config()
+        .with_lease(Duration::from_secs(60))
+        .with_batch_size(40)
+        .with_concurrency(1);
+    let stopping = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
+    tokio::time::timeout(WAIT, stopping.run(ahead.notified()))
+        .await
+        .expect("the relay stops after the batch in progress");
+    let first = probe.delivered_to("x").len();
+    assert!(first < 300, "stopped with work left: {first} delivered");
+
+    let after = relay::<B, _>(&outbox, OnlyX::new(&probe), config());
+    let worker = tokio::spawn(async move { after.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 300).await;
+    worker.abort();
+    each_once_in_order(&probe, &aggregates, 3);
 }

@@ -9,6 +9,7 @@ use futures_util::{StreamExt, stream};
 use tokio::sync::Semaphore;
 use uuid::Uuid;
 
+use super::ahead::Progress;
 use super::attempt::Under;
 use super::builds::Others;
 use super::lease::Lease;
@@ -85,17 +86,16 @@ impl<S: Store, R: Router> Relay<S, R> {
         &self,
         claims: Vec<Claim>,
         lease: &Lease,
+        progress: &Progress,
     ) -> (BatchReport, Outcomes) {
         let claimed = claims.len();
-        let planning = Planning {
-            relay: self,
-            others: self.builds.others(),
-        };
-        let plan = plan::plan(claims, &planning);
+        let plan = self.plan(claims);
+        progress.planned(plan.queues.iter().map(Vec::len).sum());
         let calls = Calls {
             permits: Semaphore::new(self.config.concurrency),
             out_of_lease: AtomicBool::new(false),
             retried_in_place: AtomicUsize::new(0),
+            progress,
         };
         // The futures are made before they are streamed: a closure in the stream would make
         // the relay's future lose `Send` (rust-lang/rust#102211). Every queue is under way at
@@ -119,6 +119,27 @@ impl<S: Store, R: Router> Relay<S, R> {
         (report, outcomes)
     }
 
+    fn plan(&self, claims: Vec<Claim>) -> Plan<Decoded> {
+        let planning = Planning {
+            relay: self,
+            others: self.builds.others(),
+        };
+        plan::plan(claims, &planning)
+    }
+
+    /// The outcomes of a claimed batch given back unstarted (a relay stopping with a batch it
+    /// claimed ahead): what needs no handler is decided, every handler call is left as if the
+    /// lease had run short.
+    pub(super) fn give_back(&self, claims: Vec<Claim>) -> Outcomes {
+        let plan = self.plan(claims);
+        let ran = plan
+            .queues
+            .iter()
+            .map(|queue| queue.iter().map(|&step| (step, Ran::NoLease)).collect())
+            .collect();
+        assemble(plan, ran).1
+    }
+
     /// Makes one key's calls in order until one fails; the rest are held back. The key holds
     /// one of the batch's permits while its calls run. A failure whose retry is due within the
     /// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
@@ -128,7 +149,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         plan: &Plan<Decoded>,
         queue: &[Step],
         lease: &Lease,
-        calls: &Calls,
+        calls: &Calls<'_>,
     ) -> Vec<(Step, Ran)> {
         let mut ran = Vec::with_capacity(queue.len());
         let mut failed = false;
@@ -137,14 +158,14 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut permit = None;
         for &step in queue {
             if failed {
-                ran.push((step, Ran::Behind));
+                calls.ran(&mut ran, step, Ran::Behind);
                 continue;
             }
             if permit.is_none() {
                 permit = calls.permits.acquire().await.ok();
             }
             if !calls.can_start(lease, self.config.handler_timeout) {
-                ran.push((step, Ran::NoLease));
+                calls.ran(&mut ran, step, Ran::NoLease);
                 continue;
             }
             let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim] {
@@ -211,22 +232,29 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 attempt = attempts.saturating_add(1);
             };
-            ran.push((step, result));
+            calls.ran(&mut ran, step, result);
         }
         ran
     }
 }
 
 /// What the queues of one batch share.
-struct Calls {
+struct Calls<'a> {
     /// The handler calls that may run at once: the relay's concurrency.
     permits: Semaphore,
     /// Set once a call could not start for want of lease: no more start.
     out_of_lease: AtomicBool,
     retried_in_place: AtomicUsize,
+    progress: &'a Progress,
 }
 
-impl Calls {
+impl Calls<'_> {
+    /// Notes what became of a planned call.
+    fn ran(&self, ran: &mut Vec<(Step, Ran)>, step: Step, result: Ran) {
+        ran.push((step, result));
+        self.progress.finished_one();
+    }
+
     /// Whether a handler may start: the claim outlasts its timeout (and did for every call
     /// before).
     fn can_start(&self, lease: &Lease, handler_timeout: std::time::Duration) -> bool {

@@ -8,8 +8,11 @@
 //! - `plan.rs`: a batch's claims planned (a pure function): what needs no handler is decided,
 //!   the handler calls are queued per (subscriber, aggregate) key.
 //! - `batch.rs`: a plan run, its queues concurrently and each in order, and its outcomes.
+//! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed while the
+//!   batch's last calls run.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
 
+mod ahead;
 mod attempt;
 mod batch;
 mod builds;
@@ -28,6 +31,7 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::Empty;
 
+use ahead::Progress;
 pub use config::{RelayConfig, Retention};
 use lease::Lease;
 
@@ -166,6 +170,25 @@ impl Failures {
     }
 }
 
+/// A batch claimed while the one before it ran, and its lease (kept meanwhile).
+struct Ahead {
+    batch: Batch,
+    lease: Lease,
+    /// How long its claim took.
+    took: Duration,
+}
+
+/// What the delivery loop knows for claiming ahead.
+#[derive(Default)]
+struct Lookahead {
+    /// Whether to claim ahead at all.
+    on: bool,
+    /// How long the last claim took.
+    claim_takes: Option<Duration>,
+    /// The next batch, claimed while the last one ran.
+    next: Option<Ahead>,
+}
+
 /// What a relay's claim gave.
 enum Claimed {
     /// A batch, delivered: its token, report and outcomes.
@@ -207,7 +230,11 @@ impl<S: Store, R: Router> Relay<S, R> {
     ///
     /// The outcomes of one batch are recorded while the next batch is claimed and delivered
     /// (until its outcomes are recorded, the claim of a batch holds its aggregates' later events
-    /// back, so order is kept).
+    /// back, so order is kept). When the handlers are slower than the store (a batch runs
+    /// longer than a claim takes), the next batch is claimed while the last calls of the batch
+    /// run, so that it is ready when they end; that claim leaves out the aggregates of the
+    /// batch still running, as another relay's would. A relay stopping with such a batch gives
+    /// it back unstarted.
     ///
     /// Store errors never end the loop. A broken connection is replaced and the work retried at
     /// once; a store that stays unreachable is retried with exponential backoff (with jitter, up
@@ -251,15 +278,23 @@ impl<S: Store, R: Router> Relay<S, R> {
         // When the earliest retry or parked event this relay recorded is due: an idle relay
         // looks again then, not only after its poll interval.
         let mut next_due: Option<Instant> = None;
+        let mut lookahead = Lookahead {
+            on: true,
+            ..Lookahead::default()
+        };
         loop {
             if (&mut shutdown).now_or_never().is_some() {
-                if let Some((token, outcomes)) = unrecorded.take() {
+                let given_back = lookahead.next.take().map(|ahead| {
+                    let outcomes = self.give_back(ahead.batch.claims);
+                    (ahead.batch.token, outcomes)
+                });
+                for (token, outcomes) in unrecorded.into_iter().chain(given_back) {
                     self.record_or_log(token, &outcomes).await;
                 }
                 return;
             }
             let recording = unrecorded.is_some();
-            let next = self.claim_and_deliver();
+            let next = self.claim_and_deliver(&mut lookahead);
             let claimed = match unrecorded.take() {
                 None => next.await,
                 Some((token, outcomes)) => {
@@ -279,10 +314,11 @@ impl<S: Store, R: Router> Relay<S, R> {
                         unrecorded = Some((token, outcomes));
                         continue;
                     }
-                    // Everything was given back: record that, then wait for news.
+                    // Everything was given back: record that, then wait for news (unless a
+                    // batch was claimed ahead meanwhile).
                     self.record_or_log(token, &outcomes).await;
                     note_due(&mut next_due, &outcomes);
-                    if self.idle(&mut shutdown, &mut next_due).await {
+                    if lookahead.next.is_none() && self.idle(&mut shutdown, &mut next_due).await {
                         return;
                     }
                 }
@@ -318,16 +354,61 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
     }
 
-    /// Claims a batch and, if there is one, delivers it.
-    async fn claim_and_deliver(&self) -> Result<Claimed, StoreError> {
-        let sent = Instant::now();
-        let batch = self.claim().await?;
-        if batch.is_empty() {
-            return Ok(Claimed::Nothing { more: batch.more });
-        }
+    /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
+    /// While it runs, the next batch is claimed ahead if `lookahead` is on and the handlers are
+    /// slower than a claim (about as long as the last one took).
+    async fn claim_and_deliver(&self, lookahead: &mut Lookahead) -> Result<Claimed, StoreError> {
+        let (batch, lease) = match lookahead.next.take() {
+            Some(ahead) => {
+                lookahead.claim_takes = Some(ahead.took);
+                (ahead.batch, ahead.lease)
+            }
+            None => {
+                let sent = Instant::now();
+                let batch = self.claim().await?;
+                if batch.is_empty() {
+                    return Ok(Claimed::Nothing { more: batch.more });
+                }
+                lookahead.claim_takes = Some(sent.elapsed());
+                let lease = Lease::new(batch.token, self.config.lease, sent);
+                (batch, lease)
+            }
+        };
         let token = batch.token;
-        let (report, outcomes) = self.deliver(batch, sent).await;
+        let progress = Progress::new(lookahead.claim_takes.filter(|_| lookahead.on));
+        let delivering = async {
+            let delivered = self.deliver(batch, &lease, &progress).await;
+            progress.over();
+            delivered
+        };
+        let ((report, outcomes), next) = tokio::join!(delivering, self.claim_ahead(&progress));
+        lookahead.next = next;
         Ok(Claimed::Delivered(token, report, outcomes))
+    }
+
+    /// Claims the next batch when `progress` says so, and keeps its lease until the batch in
+    /// progress is over. A failed claim is left to the claim after the batch.
+    async fn claim_ahead(&self, progress: &Progress) -> Option<Ahead> {
+        if !progress.claim_next().await {
+            return None;
+        }
+        let sent = Instant::now();
+        let batch = match self.claim().await {
+            Ok(batch) if !batch.is_empty() => batch,
+            Ok(_) => return None,
+            Err(error) => {
+                tracing::debug!(%error, "outbox relay could not claim ahead; it claims after the batch");
+                return None;
+            }
+        };
+        let took = sent.elapsed();
+        let lease = Lease::new(batch.token, self.config.lease, sent);
+        tokio::select! {
+            biased;
+            () = progress.wait_over() => {}
+            never = lease.keep(&self.store) => match never {},
+        }
+        Some(Ahead { batch, lease, took })
     }
 
     /// Waits for a commit, the poll interval, `next_due` (which it clears once passed), or
@@ -422,7 +503,9 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Claims one batch, delivers it, and records the outcomes.
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
-        let (token, mut report, outcomes) = match self.claim_and_deliver().await? {
+        // (Never ahead: the batch after is not this call's.)
+        let mut lookahead = Lookahead::default();
+        let (token, mut report, outcomes) = match self.claim_and_deliver(&mut lookahead).await? {
             Claimed::Delivered(token, report, outcomes) => (token, report, outcomes),
             Claimed::Nothing { more } => {
                 return Ok(BatchReport {
@@ -460,8 +543,12 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Hands a claimed batch to its subscribers in a batch span, renewing its claim while the
     /// handlers run.
-    async fn deliver(&self, batch: Batch, sent: Instant) -> (BatchReport, Outcomes) {
-        let lease = Lease::new(batch.token, self.config.lease, sent);
+    async fn deliver(
+        &self,
+        batch: Batch,
+        lease: &Lease,
+        progress: &Progress,
+    ) -> (BatchReport, Outcomes) {
         let span = tracing::info_span!(
             "outbox.batch",
             claim = batch.token.get(),
@@ -472,7 +559,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             parked = Empty,
         );
         let delivering = self
-            .deliver_batch(batch.claims, &lease)
+            .deliver_batch(batch.claims, lease, progress)
             .instrument(span.clone());
         let (mut report, outcomes) = tokio::select! {
             biased;
