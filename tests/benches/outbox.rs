@@ -833,10 +833,46 @@ async fn table_size(pool: &PgPool) -> (i64, i64) {
         .unwrap()
 }
 
+/// When the server's autovacuum is off (as on this project's machines), vacuums the outbox
+/// tables every 10 s until `stop`, at autovacuum's cost limits, as autovacuum would, and says
+/// so; `None` when the server vacuums them itself. Deleted and updated rows only become free
+/// space once vacuumed: without it a run would measure a server nobody runs.
+async fn vacuum_as_autovacuum_would(
+    pool: &PgPool,
+    stop: &Arc<AtomicBool>,
+) -> Option<tokio::task::JoinHandle<()>> {
+    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    if autovacuum != "off" {
+        return None;
+    }
+    println!(
+        "    autovacuum is off on this server: the bench vacuums the outbox tables every 10 s, \
+         at autovacuum's cost limits"
+    );
+    let mut conn = pool.acquire().await.unwrap().detach();
+    for set in [
+        "SET vacuum_cost_delay = '2ms'",
+        "SET vacuum_cost_limit = 200",
+    ] {
+        sqlx::raw_sql(set).execute(&mut conn).await.unwrap();
+    }
+    let stop = stop.clone();
+    Some(tokio::spawn(async move {
+        while !stop.load(Ordering::Relaxed) {
+            tokio::time::sleep(Duration::from_secs(10)).await;
+            sqlx::raw_sql("VACUUM events.outbox, events.outbox_deliveries, events.outbox_claims")
+                .execute(&mut conn)
+                .await
+                .unwrap();
+        }
+    }))
+}
+
 /// Half capacity for `minutes`, with retention deleting what was published more than a minute
-/// ago; prints throughput and sizes each minute. Deleted and updated rows only become free space
-/// once vacuumed: when the server's autovacuum is off, the soak vacuums the outbox tables every
-/// 10 s itself, as autovacuum would, and says so.
+/// ago; prints throughput and sizes each minute, the tables vacuumed as autovacuum would.
 async fn soak(rate: f64, minutes: u64) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
@@ -853,25 +889,7 @@ async fn soak(rate: f64, minutes: u64) {
                 .with_interval(Duration::from_secs(10)),
         ),
     );
-    let autovacuum: String = sqlx::query_scalar("SHOW autovacuum")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    let vacuum = (autovacuum == "off").then(|| {
-        println!("    autovacuum is off on this server: the soak vacuums every 10 s");
-        let (pool, stop) = (pool.clone(), stop.clone());
-        tokio::spawn(async move {
-            while !stop.load(Ordering::Relaxed) {
-                tokio::time::sleep(Duration::from_secs(10)).await;
-                sqlx::raw_sql(
-                    "VACUUM events.outbox, events.outbox_deliveries, events.outbox_claims",
-                )
-                .execute(&pool)
-                .await
-                .unwrap();
-            }
-        })
-    });
+    let vacuum = vacuum_as_autovacuum_would(&pool, &stop).await;
     let producers = spawn_producers(&outbox, &ids, rate, false, &meter, false, &stop);
     println!("    minute  delivered/s  backlog  table MB  indexes MB");
     let mut rates = Vec::new();

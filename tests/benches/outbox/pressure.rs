@@ -2,7 +2,8 @@
 //! it might still see) while producers run at half capacity; then it ends. Ours at
 //! `RelayConfig::default()` and the raw `SKIP LOCKED` loop, each on a fresh database: delivered
 //! and offered events per second, commit-to-handler latency (p50, p99) per 30 s window; dead
-//! tuples and sizes of the tables at the start, at the end of the pressure and after.
+//! tuples and sizes of the tables at the start, at the end of the pressure and after. The
+//! tables are vacuumed as autovacuum would (it cannot reclaim what the held snapshot may see).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -11,7 +12,9 @@ use std::time::{Duration, Instant};
 use outbox_core::RelayConfig;
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::{Meter, percentile, raw_cycle, setup, spawn_producers, spawn_relay};
+use super::{
+    Meter, percentile, raw_cycle, setup, spawn_producers, spawn_relay, vacuum_as_autovacuum_would,
+};
 
 /// A measurement window.
 const WINDOW: Duration = Duration::from_secs(30);
@@ -56,6 +59,7 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
             "ours, RelayConfig::default()"
         }
     );
+    let vacuum = vacuum_as_autovacuum_would(&pool, &stop).await;
     // A window to settle before the first figures.
     tokio::time::sleep(WINDOW).await;
     report_tables(&pool, "start").await;
@@ -90,6 +94,9 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
         task.await.unwrap();
     }
     relay_task.await.unwrap();
+    if let Some(vacuum) = vacuum {
+        vacuum.await.unwrap();
+    }
 }
 
 /// One window: events committed and delivered per second, latency percentiles of the events
