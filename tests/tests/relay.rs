@@ -1306,14 +1306,23 @@ fn each_once_in_order(probe: &Probe, aggregates: &[Uuid], seqs: u32) {
     }
 }
 
+/// 300 events over 100 aggregates for `x`, in batches of 40 calls made one at a time: each
+/// batch takes about 100 ms, its claim a few. The store watches the probe's running calls.
+async fn slow_batches<B: TestBackend>(
+    outbox: &TestOutbox<B>,
+    probe: &Probe,
+) -> (Vec<Uuid>, WatchedStore<SqlStore<B>>, RelayConfig) {
+    let aggregates = publish_rounds(outbox, probe, 100, 3, ms(2)).await;
+    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let slow = config().with_batch_size(40).with_concurrency(1);
+    (aggregates, store, slow)
+}
+
 async fn slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    // Batches of 40 calls made one at a time: each batch takes about 100 ms, its claim a few.
-    let aggregates = publish_rounds(&outbox, &probe, 100, 3, ms(2)).await;
-    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
     let ahead = store.claimed_while_busy.clone();
-    let slow = config().with_batch_size(40).with_concurrency(1);
     let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     wait_for(|| probe.delivered_to("x").len() == 300).await;
@@ -1329,15 +1338,11 @@ async fn slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end<B
 async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    let aggregates = publish_rounds(&outbox, &probe, 100, 3, ms(2)).await;
-    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
     let ahead = store.claimed_ahead.clone();
     // A lease longer than this test waits: a batch kept claimed would not be delivered again
     // in time.
-    let slow = config()
-        .with_lease(Duration::from_secs(60))
-        .with_batch_size(40)
-        .with_concurrency(1);
+    let slow = slow.with_lease(Duration::from_secs(60));
     let stopping = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
     tokio::time::timeout(WAIT, stopping.run(ahead.notified()))
         .await
