@@ -568,6 +568,32 @@ pub trait Store: Send + Sync + 'static {
         outcomes: &Outcomes,
     ) -> impl Future<Output = Result<Recorded, StoreError>> + Send;
 
+    /// Records the outcomes of part of the batch claimed as `token`, atomically, and keeps the
+    /// claim live for the rest: the events named in `outcomes.events` (whatever their outcome)
+    /// leave the claim, so later events of their aggregates can be claimed again, as do the
+    /// deliveries named in `outcomes.deliveries`; everything else stays claimed under `token`
+    /// until a later `record_part` or [`record`](Self::record). Records nothing and returns
+    /// [`Recorded::Lost`] when the claim is no longer live.
+    ///
+    /// The relay records part of a batch when what is left of it only waits (keys waiting for
+    /// a retry in place), and only for whole aggregates: every claim of an aggregate in the
+    /// batch is in the same part. Called only when [`records_parts`](Self::records_parts) says
+    /// the store can; the default says it cannot.
+    fn record_part(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+    ) -> impl Future<Output = Result<Recorded, StoreError>> + Send {
+        let _ = (token, outcomes);
+        async { Err(StoreError::new("this store cannot record part of a claim")) }
+    }
+
+    /// Whether [`record_part`](Self::record_part) is implemented; false by default (the relay
+    /// then records each batch whole, when its last call is done).
+    fn records_parts(&self) -> bool {
+        false
+    }
+
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
     fn requeue(&self, which: &Requeue) -> impl Future<Output = Result<u64, StoreError>> + Send;
 

@@ -627,6 +627,110 @@ impl MemoryStore {
         let state = lock(&self.state);
         state.events.values().filter(|r| !r.event.published).count() + state.deliveries.len()
     }
+
+    /// Records `outcomes` under `token`; `whole`: the claim ends, else it keeps what the
+    /// outcomes do not name.
+    fn record_in(&self, token: ClaimToken, outcomes: &Outcomes, whole: bool) -> store::Recorded {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        let token = token.get();
+        if !state.is_live(token, now) {
+            return store::Recorded::Lost;
+        }
+        if whole {
+            state.claims.remove(&token);
+        }
+        for (id, outcome) in &outcomes.events {
+            let Some(row) = state.events.get_mut(id) else {
+                continue;
+            };
+            match outcome {
+                EventOutcome::Published => {
+                    row.event.published = true;
+                    row.published_at = Some(now);
+                }
+                EventOutcome::Parked { reason, retry_in } => {
+                    row.event.parked += 1;
+                    row.event.last_error = Some(reason.clone());
+                    row.next_retry_at = Some(after(now, *retry_in));
+                }
+                EventOutcome::Dead { reason } => {
+                    row.event.dead = true;
+                    row.event.last_error = Some(reason.clone());
+                }
+                EventOutcome::Released => {}
+            }
+        }
+        for record in &outcomes.deliveries {
+            let key = (record.event_id, record.subscriber.clone());
+            let (attempts, last_error, next_attempt_at, dead) = match &record.outcome {
+                DeliveryOutcome::Delivered => {
+                    state.deliveries.remove(&key);
+                    continue;
+                }
+                DeliveryOutcome::Released => continue,
+                DeliveryOutcome::Waiting => (0, None, now, false),
+                DeliveryOutcome::Retry {
+                    attempts,
+                    error,
+                    retry_in,
+                } => (*attempts, Some(error.clone()), after(now, *retry_in), false),
+                DeliveryOutcome::Dead { attempts, error } => {
+                    (*attempts, Some(error.clone()), now, true)
+                }
+            };
+            let expired_claims = state.deliveries.get(&key).map_or(0, |d| d.expired_claims);
+            state.deliveries.insert(
+                key,
+                DeliveryRow {
+                    delivery: MemoryDelivery {
+                        subscriber: record.subscriber.clone(),
+                        event_id: record.event_id,
+                        attempts,
+                        last_error,
+                        next_attempt_at,
+                        dead,
+                    },
+                    aggregate_type: record.aggregate_type.clone(),
+                    aggregate_id: record.aggregate_id,
+                    claim: None,
+                    expired_claims,
+                },
+            );
+        }
+        if whole {
+            // Whatever the outcomes did not mention is given back.
+            for row in state.events.values_mut() {
+                if row.claim == Some(token) {
+                    row.claim = None;
+                }
+            }
+            for row in state.deliveries.values_mut() {
+                if row.claim == Some(token) {
+                    row.claim = None;
+                }
+            }
+        } else {
+            // What they mention leaves the claim; the rest stays claimed.
+            for (id, _) in &outcomes.events {
+                if let Some(row) = state.events.get_mut(id)
+                    && row.claim == Some(token)
+                {
+                    row.claim = None;
+                }
+            }
+            for record in &outcomes.deliveries {
+                if let Some(row) = state
+                    .deliveries
+                    .get_mut(&(record.event_id, record.subscriber.clone()))
+                    && row.claim == Some(token)
+                {
+                    row.claim = None;
+                }
+            }
+        }
+        store::Recorded::Applied
+    }
 }
 
 fn after(now: OffsetDateTime, delay: Duration) -> OffsetDateTime {
@@ -796,83 +900,19 @@ impl Store for MemoryStore {
         token: ClaimToken,
         outcomes: &Outcomes,
     ) -> Result<store::Recorded, StoreError> {
-        let now = self.clock.now();
-        let mut state = lock(&self.state);
-        let token = token.get();
-        if !state.is_live(token, now) {
-            return Ok(store::Recorded::Lost);
-        }
-        state.claims.remove(&token);
-        for (id, outcome) in &outcomes.events {
-            let Some(row) = state.events.get_mut(id) else {
-                continue;
-            };
-            match outcome {
-                EventOutcome::Published => {
-                    row.event.published = true;
-                    row.published_at = Some(now);
-                }
-                EventOutcome::Parked { reason, retry_in } => {
-                    row.event.parked += 1;
-                    row.event.last_error = Some(reason.clone());
-                    row.next_retry_at = Some(after(now, *retry_in));
-                }
-                EventOutcome::Dead { reason } => {
-                    row.event.dead = true;
-                    row.event.last_error = Some(reason.clone());
-                }
-                EventOutcome::Released => {}
-            }
-        }
-        for record in &outcomes.deliveries {
-            let key = (record.event_id, record.subscriber.clone());
-            let (attempts, last_error, next_attempt_at, dead) = match &record.outcome {
-                DeliveryOutcome::Delivered => {
-                    state.deliveries.remove(&key);
-                    continue;
-                }
-                DeliveryOutcome::Released => continue,
-                DeliveryOutcome::Waiting => (0, None, now, false),
-                DeliveryOutcome::Retry {
-                    attempts,
-                    error,
-                    retry_in,
-                } => (*attempts, Some(error.clone()), after(now, *retry_in), false),
-                DeliveryOutcome::Dead { attempts, error } => {
-                    (*attempts, Some(error.clone()), now, true)
-                }
-            };
-            let expired_claims = state.deliveries.get(&key).map_or(0, |d| d.expired_claims);
-            state.deliveries.insert(
-                key,
-                DeliveryRow {
-                    delivery: MemoryDelivery {
-                        subscriber: record.subscriber.clone(),
-                        event_id: record.event_id,
-                        attempts,
-                        last_error,
-                        next_attempt_at,
-                        dead,
-                    },
-                    aggregate_type: record.aggregate_type.clone(),
-                    aggregate_id: record.aggregate_id,
-                    claim: None,
-                    expired_claims,
-                },
-            );
-        }
-        // Whatever the outcomes did not mention is given back.
-        for row in state.events.values_mut() {
-            if row.claim == Some(token) {
-                row.claim = None;
-            }
-        }
-        for row in state.deliveries.values_mut() {
-            if row.claim == Some(token) {
-                row.claim = None;
-            }
-        }
-        Ok(store::Recorded::Applied)
+        Ok(self.record_in(token, outcomes, true))
+    }
+
+    async fn record_part(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+    ) -> Result<store::Recorded, StoreError> {
+        Ok(self.record_in(token, outcomes, false))
+    }
+
+    fn records_parts(&self) -> bool {
+        true
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {

@@ -96,12 +96,15 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         token: ClaimToken,
     ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+    /// Records `outcomes` under the claim `token`; with `part`, the claim stays live for what
+    /// the outcomes do not name (`Store::record_part`), else it ends.
     #[doc(hidden)]
     fn record(
         pool: &Pool<Self>,
         queries: &Self::Queries,
         token: ClaimToken,
         outcomes: &Outcomes,
+        part: bool,
     ) -> impl Future<Output = Result<Recorded, sqlx::Error>> + Send;
 
     /// Looks at the next `batch_size` old published events after `after`, in the order they

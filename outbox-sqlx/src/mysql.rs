@@ -33,7 +33,7 @@
 //! - **No partial indexes.** Generated columns that are NULL outside the rows a scan looks for
 //!   are indexed instead (see the migration).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::time::Duration;
 
 use outbox_core::StoredEvent;
@@ -136,6 +136,12 @@ pub struct MySqlQueries {
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
     release_deliveries: SqlStr,
+    /// One delivery of a claim given back by a record of part of it.
+    release_delivery: SqlStr,
+    /// A live claim's row, locked: its events and aggregates (for a record of part of it).
+    claim_row: SqlStr,
+    /// The claim's row shrunk to what a record of part of it leaves.
+    shrink_claim: SqlStr,
     requeue_events: SqlStr,
     requeue_event_deliveries: SqlStr,
     requeue_subscriber: SqlStr,
@@ -527,6 +533,16 @@ ORDER BY h.n, f.event_id"#
             release_deliveries: sql(format!(
                 "UPDATE {deliveries} SET claim_id = NULL WHERE claim_id = ?"
             )),
+            release_delivery: sql(format!(
+                "UPDATE {deliveries} SET claim_id = NULL
+                 WHERE subscriber = ? AND event_id = ? AND claim_id = ?"
+            )),
+            claim_row: sql(format!(
+                "SELECT event_ids, aggregates FROM {claims} WHERE id = ? AND until >= ? FOR UPDATE"
+            )),
+            shrink_claim: sql(format!(
+                "UPDATE {claims} SET event_ids = ?, aggregates = ? WHERE id = ?"
+            )),
             requeue_events: sql(format!(
                 "UPDATE {events_by_id}
                  SET o.dead_at = NULL, o.next_retry_at = NULL, o.retry_count = 0,
@@ -821,7 +837,7 @@ LIMIT ?"#
         };
         let mut claimable = Vec::new();
         let mut marks = Vec::new();
-        let mut skipped: std::collections::HashSet<(String, Uuid)> = Default::default();
+        let mut skipped: HashSet<(String, Uuid)> = Default::default();
         for row in &candidates {
             let id: i64 = row.try_get("id")?;
             let aggregate: (String, Uuid) =
@@ -1070,6 +1086,7 @@ LIMIT ?"#
         queries: &MySqlQueries,
         token: ClaimToken,
         outcomes: &Outcomes,
+        part: bool,
     ) -> Result<Recorded, sqlx::Error> {
         let token = token.get();
         // A record that writes deliveries runs under the claim lock: a skip or a requeue (which
@@ -1085,13 +1102,17 @@ LIMIT ?"#
         } else {
             begin_locked(pool, queries).await?
         };
-        let live = sqlx::query(queries.end_claim.clone())
-            .bind(token)
-            .bind(now)
-            .execute(&mut *tx)
-            .await?
-            .rows_affected()
-            == 1;
+        let live = if part {
+            shrink_claim(&mut tx, queries, token, now, outcomes).await?
+        } else {
+            sqlx::query(queries.end_claim.clone())
+                .bind(token)
+                .bind(now)
+                .execute(&mut *tx)
+                .await?
+                .rows_affected()
+                == 1
+        };
         if !live {
             tx.rollback().await?;
             return Ok(Recorded::Lost);
@@ -1134,11 +1155,14 @@ LIMIT ?"#
                 .await?;
         }
         // (Events neither published, parked nor dead are free again: the claim's row, which
-        // listed them, is gone.)
-        sqlx::query(queries.unhold_by.clone())
-            .bind(token)
-            .execute(&mut *tx)
-            .await?;
+        // listed them, is gone, or no longer lists them.) What was held behind the claim waits
+        // for its end.
+        if !part {
+            sqlx::query(queries.unhold_by.clone())
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+        }
         for d in &outcomes.deliveries {
             let upsert = |attempts: u32,
                           error: Option<&String>,
@@ -1159,6 +1183,10 @@ LIMIT ?"#
                     .bind(d.subscriber.clone())
                     .bind(d.event_id)
                     .bind(token),
+                DeliveryOutcome::Released if part => sqlx::query(queries.release_delivery.clone())
+                    .bind(d.subscriber.clone())
+                    .bind(d.event_id)
+                    .bind(token),
                 // Released below, with whatever else this claim holds.
                 DeliveryOutcome::Released => continue,
                 // Due once it is the first of its key: see `promote_head` below.
@@ -1174,10 +1202,12 @@ LIMIT ?"#
             };
             query.execute(&mut *tx).await?;
         }
-        sqlx::query(queries.release_deliveries.clone())
-            .bind(token)
-            .execute(&mut *tx)
-            .await?;
+        if !part {
+            sqlx::query(queries.release_deliveries.clone())
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+        }
         // The first row of each key this record touched is due; the rest wait behind it.
         let keys: BTreeSet<(&str, &str, Uuid)> = outcomes
             .deliveries
@@ -1622,6 +1652,41 @@ fn claimed_aggregates(live: &str) -> Result<HashMap<(String, Uuid), Blocker>, sq
     Ok(blockers)
 }
 
+/// For a record of part of the claim `token`: takes the events `outcomes` names out of the
+/// claim's row (and the aggregates whose first event there they are: a part is whole
+/// aggregates), if the claim is live; false if it is not.
+async fn shrink_claim(
+    tx: &mut MySqlConnection,
+    queries: &MySqlQueries,
+    token: i64,
+    now: PrimitiveDateTime,
+    outcomes: &Outcomes,
+) -> Result<bool, sqlx::Error> {
+    let Some((event_ids, aggregates)): Option<(String, String)> =
+        sqlx::query_as(queries.claim_row.clone())
+            .bind(token)
+            .bind(now)
+            .fetch_optional(&mut *tx)
+            .await?
+    else {
+        return Ok(false);
+    };
+    let decode = |e: serde_json::Error| sqlx::Error::Decode(Box::new(e));
+    let named: HashSet<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
+    let mut event_ids: Vec<i64> = serde_json::from_str(&event_ids).map_err(decode)?;
+    event_ids.retain(|id| !named.contains(id));
+    let mut aggregates: Vec<(String, String, i64)> =
+        serde_json::from_str(&aggregates).map_err(decode)?;
+    aggregates.retain(|(_, _, first)| !named.contains(first));
+    sqlx::query(queries.shrink_claim.clone())
+        .bind(json!(event_ids).to_string())
+        .bind(json!(aggregates).to_string())
+        .bind(token)
+        .execute(&mut *tx)
+        .await?;
+    Ok(true)
+}
+
 /// A live claim as the state query lists it: (id, lasted, [(aggregate type, aggregate id as
 /// hex, first event id)]).
 type LiveClaim = (i64, i64, Vec<(String, String, i64)>);
@@ -1769,7 +1834,7 @@ mod tests {
 
     #[test]
     fn aggregate_slots_are_spread_and_stable() {
-        let slots: std::collections::HashSet<i16> = (0..10_000)
+        let slots: HashSet<i16> = (0..10_000)
             .map(|_| aggregate_slot(Uuid::new_v4()))
             .collect();
         assert!(slots.len() > 3_000, "{} distinct slots", slots.len());

@@ -614,9 +614,29 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
-        DB::record(&self.inner.pool, &self.inner.queries, token, outcomes)
+        DB::record(
+            &self.inner.pool,
+            &self.inner.queries,
+            token,
+            outcomes,
+            false,
+        )
+        .await
+        .map_err(store_error)
+    }
+
+    async fn record_part(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+    ) -> Result<Recorded, StoreError> {
+        DB::record(&self.inner.pool, &self.inner.queries, token, outcomes, true)
             .await
             .map_err(store_error)
+    }
+
+    fn records_parts(&self) -> bool {
+        true
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {

@@ -121,6 +121,10 @@ pub struct PgQueries {
     /// `record` when every claimed event was simply published: the common case, made cheap.
     record_published: SqlStr,
     record: SqlStr,
+    /// `record_published` and `record` of part of a claim: the claim stays live for the events
+    /// the record does not name ($2, or $20 for `record_part`).
+    record_published_part: SqlStr,
+    record_part: SqlStr,
     requeue_events: SqlStr,
     requeue_subscriber: SqlStr,
     /// The dead events whose error's first line is $1.
@@ -291,6 +295,191 @@ impl Backend for Postgres {
                              CASE WHEN isfinite(o.occurred_at) \
                              THEN (extract(epoch FROM o.occurred_at) * 1000000)::int8 END \
                              AS occurred_at";
+        // The record's first step: the claim, if it is still live (nothing else happens
+        // otherwise), ended, or for a record of part of it, shrunk to the events the record
+        // does not name (`ids`). (A claimer ending it as expired at the same moment holds its
+        // row lock first, or waits for this statement.)
+        let end_claim = format!(
+            r#"mine AS (
+    DELETE FROM {claims}
+    WHERE id = $1 AND until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
+    RETURNING id
+),"#
+        );
+        let shrink_claim = |ids: &str| {
+            format!(
+                r#"mine AS (
+    UPDATE {claims} AS c
+    SET event_ids = k.event_ids, aggregate_types = k.aggregate_types,
+        aggregate_ids = k.aggregate_ids
+    FROM (
+        -- (One aggregation step feeds the three arrays: they stay in step.)
+        SELECT coalesce(array_agg(a.event_id ORDER BY a.n), '{{}}') AS event_ids,
+               coalesce(array_agg(a.aggregate_type ORDER BY a.n), '{{}}') AS aggregate_types,
+               coalesce(array_agg(a.aggregate_id ORDER BY a.n), '{{}}') AS aggregate_ids
+        FROM {claims} AS x
+        CROSS JOIN LATERAL unnest(x.event_ids, x.aggregate_types, x.aggregate_ids)
+            WITH ORDINALITY AS a(event_id, aggregate_type, aggregate_id, n)
+        WHERE x.id = $1 AND a.event_id <> ALL({ids}::int8[])
+    ) AS k
+    WHERE c.id = $1 AND c.until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
+    RETURNING c.id
+),"#
+            )
+        };
+        let record_published_sql = |mine: &str| {
+            format!(
+                r#"
+WITH asynchronous AS (
+    -- As in `record`.
+    SELECT set_config('synchronous_commit', 'off', true)
+),
+{mine}
+published AS (
+    UPDATE {outbox} SET published_at = now()
+    WHERE id = ANY($2::int8[]) AND EXISTS (SELECT 1 FROM mine)
+    RETURNING id, retry_count
+),
+unheld AS (
+    -- Events set aside behind a parked event that is published now.
+    UPDATE {outbox} SET held_behind = NULL
+    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
+)
+SELECT count(*) FROM mine"#
+            )
+        };
+        let record_sql = |mine: &str| {
+            format!(
+                r#"
+WITH asynchronous AS (
+    -- Handlers already ran: an outcome lost in a crash means delivering again, which
+    -- at-least-once allows, so this commit need not wait for the disk.
+    SELECT set_config('synchronous_commit', 'off', true)
+),
+{mine}
+live AS (
+    SELECT count(*) = 1 AS live FROM mine
+),
+published AS (
+    UPDATE {outbox} SET published_at = now()
+    WHERE id = ANY($2::int8[]) AND (SELECT live FROM live)
+    RETURNING id, retry_count
+),
+unheld AS (
+    UPDATE {outbox} SET held_behind = NULL
+    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
+),
+parked AS (
+    UPDATE {outbox} AS o
+    SET retry_count = o.retry_count + 1, last_error = p.reason,
+        next_retry_at = now() + p.delay * interval '1 second'
+    FROM unnest($3::int8[], $4::text[], $5::float8[]) AS p(id, reason, delay)
+    WHERE o.id = p.id AND o.id = ANY($3::int8[]) AND (SELECT live FROM live)
+),
+dead AS (
+    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason
+    FROM unnest($6::int8[], $7::text[]) AS x(id, reason)
+    WHERE o.id = x.id AND o.id = ANY($6::int8[]) AND (SELECT live FROM live)
+),
+gone_rows AS MATERIALIZED (
+    SELECT * FROM unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
+),
+new_rows AS MATERIALIZED (
+    -- A NULL delay: the delivery waits behind an earlier one of its key.
+    SELECT * FROM unnest($10::int8[], $11::text[], $12::text[], $13::uuid[], $14::int4[],
+                         $15::text[], $16::float8[], $17::bool[])
+         AS x(event_id, subscriber, aggregate_type, aggregate_id, attempts, error, delay, dead)
+),
+released_rows AS MATERIALIZED (
+    SELECT * FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
+),
+heads AS MATERIALIZED (
+    -- The first row of each key this record touches, once it is applied: the rows it keeps
+    -- and the ones it writes, less the ones it deletes. That row is due (a waiting one at
+    -- once); the rest of the key waits behind it without a due time.
+    SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
+           least(
+               -- (Ordered as `deliveries_head_idx`, so that this reads that index; `NOT IN`
+               -- over the deleted rows is one hash lookup per row, where `NOT EXISTS` read
+               -- them all for every row.)
+               (SELECT h.event_id FROM {deliveries} AS h
+                WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
+                  AND h.aggregate_type = k.aggregate_type
+                  AND (h.subscriber, h.event_id) NOT IN (
+                      SELECT g.subscriber, g.event_id FROM gone_rows AS g)
+                ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
+               (SELECT min(n.event_id) FROM new_rows AS n
+                WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
+                  AND n.aggregate_type = k.aggregate_type)) AS event_id
+    FROM (
+        -- (Lateral, and kept so by its `LIMIT`: a primary-key lookup per recorded row, never a
+        -- join over every delivery, whatever the estimates.)
+        SELECT d.subscriber, d.aggregate_type, d.aggregate_id
+        FROM (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
+        CROSS JOIN LATERAL (
+            SELECT d.subscriber, d.aggregate_type, d.aggregate_id FROM {deliveries} AS d
+            WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
+            LIMIT 1
+        ) AS d
+        UNION
+        SELECT n.subscriber, n.aggregate_type, n.aggregate_id FROM new_rows AS n
+    ) AS k
+    WHERE (SELECT live FROM live)
+),
+delivered AS (
+    DELETE FROM {deliveries} AS d
+    USING gone_rows AS x
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
+      AND d.event_id = ANY($9::int8[]) AND (SELECT live FROM live)
+),
+upserted AS (
+    INSERT INTO {deliveries} AS d
+        (event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error,
+         next_retry_at, dead_at)
+    SELECT x.event_id, x.subscriber, x.aggregate_type, x.aggregate_id, x.attempts, x.error,
+           CASE
+               WHEN x.delay IS NOT NULL THEN now() + x.delay * interval '1 second'
+               WHEN x.event_id IN (SELECT h.event_id FROM heads AS h
+                                   WHERE h.subscriber = x.subscriber) THEN now()
+           END,
+           CASE WHEN x.dead THEN now() END
+    FROM new_rows AS x
+    WHERE (SELECT live FROM live)
+    ON CONFLICT (subscriber, event_id) DO UPDATE
+    SET attempts = excluded.attempts, last_error = excluded.last_error,
+        next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claim_id = NULL
+),
+released_deliveries AS (
+    UPDATE {deliveries} AS d SET claim_id = NULL,
+        next_retry_at = CASE
+            WHEN d.next_retry_at IS NULL AND d.event_id IN (
+                SELECT h.event_id FROM heads AS h WHERE h.subscriber = d.subscriber)
+            THEN now() ELSE d.next_retry_at END
+    FROM released_rows AS x
+    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
+      AND d.event_id = ANY($19::int8[]) AND (SELECT live FROM live)
+),
+promoted AS (
+    -- Rows that this record made the first of their key (the rows before them were
+    -- delivered): due now. (Not rows written above: a row is written once per statement.)
+    -- (`= ANY` makes this a lookup of the event index per head. The conditions on the row
+    -- are wrapped so that they cannot pick the due index instead, whose entries without a
+    -- due time are every waiting row.)
+    UPDATE {deliveries} AS d SET next_retry_at = now()
+    FROM (
+        SELECT h.subscriber, h.event_id FROM heads AS h
+        WHERE NOT EXISTS (SELECT 1 FROM new_rows AS n
+                          WHERE n.subscriber = h.subscriber AND n.event_id = h.event_id)
+          AND NOT EXISTS (SELECT 1 FROM released_rows AS r
+                          WHERE r.subscriber = h.subscriber AND r.event_id = h.event_id)
+    ) AS p
+    WHERE d.subscriber = p.subscriber AND d.event_id = p.event_id
+      AND d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
+      AND (d.next_retry_at IS NULL AND d.dead_at IS NULL) IS TRUE
+)
+SELECT live FROM live"#
+            )
+        };
         PgQueries {
             lock_namespace: names.lock_namespace(),
             claims_floor: AtomicI64::new(0),
@@ -721,165 +910,10 @@ DELETE FROM {inbox} WHERE (consumer, message_id) IN (
     LIMIT $2
 )"#
             )),
-            record_published: sql(format!(
-                r#"
-WITH asynchronous AS (
-    -- As in `record`.
-    SELECT set_config('synchronous_commit', 'off', true)
-),
-mine AS (
-    DELETE FROM {claims}
-    WHERE id = $1 AND until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
-    RETURNING id
-),
-published AS (
-    UPDATE {outbox} SET published_at = now()
-    WHERE id = ANY($2::int8[]) AND EXISTS (SELECT 1 FROM mine)
-    RETURNING id, retry_count
-),
-unheld AS (
-    -- Events set aside behind a parked event that is published now.
-    UPDATE {outbox} SET held_behind = NULL
-    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
-)
-SELECT count(*) FROM mine"#
-            )),
-            record: sql(format!(
-                r#"
-WITH asynchronous AS (
-    -- Handlers already ran: an outcome lost in a crash means delivering again, which
-    -- at-least-once allows, so this commit need not wait for the disk.
-    SELECT set_config('synchronous_commit', 'off', true)
-),
-mine AS (
-    -- The claim, if it is still live: nothing below happens otherwise. (A claimer ending it
-    -- as expired at the same moment holds its row lock first, or waits for this statement.)
-    DELETE FROM {claims}
-    WHERE id = $1 AND until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
-    RETURNING id
-),
-live AS (
-    SELECT count(*) = 1 AS live FROM mine
-),
-published AS (
-    UPDATE {outbox} SET published_at = now()
-    WHERE id = ANY($2::int8[]) AND (SELECT live FROM live)
-    RETURNING id, retry_count
-),
-unheld AS (
-    UPDATE {outbox} SET held_behind = NULL
-    WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
-),
-parked AS (
-    UPDATE {outbox} AS o
-    SET retry_count = o.retry_count + 1, last_error = p.reason,
-        next_retry_at = now() + p.delay * interval '1 second'
-    FROM unnest($3::int8[], $4::text[], $5::float8[]) AS p(id, reason, delay)
-    WHERE o.id = p.id AND o.id = ANY($3::int8[]) AND (SELECT live FROM live)
-),
-dead AS (
-    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason
-    FROM unnest($6::int8[], $7::text[]) AS x(id, reason)
-    WHERE o.id = x.id AND o.id = ANY($6::int8[]) AND (SELECT live FROM live)
-),
-gone_rows AS MATERIALIZED (
-    SELECT * FROM unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
-),
-new_rows AS MATERIALIZED (
-    -- A NULL delay: the delivery waits behind an earlier one of its key.
-    SELECT * FROM unnest($10::int8[], $11::text[], $12::text[], $13::uuid[], $14::int4[],
-                         $15::text[], $16::float8[], $17::bool[])
-         AS x(event_id, subscriber, aggregate_type, aggregate_id, attempts, error, delay, dead)
-),
-released_rows AS MATERIALIZED (
-    SELECT * FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
-),
-heads AS MATERIALIZED (
-    -- The first row of each key this record touches, once it is applied: the rows it keeps
-    -- and the ones it writes, less the ones it deletes. That row is due (a waiting one at
-    -- once); the rest of the key waits behind it without a due time.
-    SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
-           least(
-               -- (Ordered as `deliveries_head_idx`, so that this reads that index; `NOT IN`
-               -- over the deleted rows is one hash lookup per row, where `NOT EXISTS` read
-               -- them all for every row.)
-               (SELECT h.event_id FROM {deliveries} AS h
-                WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
-                  AND h.aggregate_type = k.aggregate_type
-                  AND (h.subscriber, h.event_id) NOT IN (
-                      SELECT g.subscriber, g.event_id FROM gone_rows AS g)
-                ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
-               (SELECT min(n.event_id) FROM new_rows AS n
-                WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
-                  AND n.aggregate_type = k.aggregate_type)) AS event_id
-    FROM (
-        -- (Lateral, and kept so by its `LIMIT`: a primary-key lookup per recorded row, never a
-        -- join over every delivery, whatever the estimates.)
-        SELECT d.subscriber, d.aggregate_type, d.aggregate_id
-        FROM (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
-        CROSS JOIN LATERAL (
-            SELECT d.subscriber, d.aggregate_type, d.aggregate_id FROM {deliveries} AS d
-            WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
-            LIMIT 1
-        ) AS d
-        UNION
-        SELECT n.subscriber, n.aggregate_type, n.aggregate_id FROM new_rows AS n
-    ) AS k
-    WHERE (SELECT live FROM live)
-),
-delivered AS (
-    DELETE FROM {deliveries} AS d
-    USING gone_rows AS x
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
-      AND d.event_id = ANY($9::int8[]) AND (SELECT live FROM live)
-),
-upserted AS (
-    INSERT INTO {deliveries} AS d
-        (event_id, subscriber, aggregate_type, aggregate_id, attempts, last_error,
-         next_retry_at, dead_at)
-    SELECT x.event_id, x.subscriber, x.aggregate_type, x.aggregate_id, x.attempts, x.error,
-           CASE
-               WHEN x.delay IS NOT NULL THEN now() + x.delay * interval '1 second'
-               WHEN x.event_id IN (SELECT h.event_id FROM heads AS h
-                                   WHERE h.subscriber = x.subscriber) THEN now()
-           END,
-           CASE WHEN x.dead THEN now() END
-    FROM new_rows AS x
-    WHERE (SELECT live FROM live)
-    ON CONFLICT (subscriber, event_id) DO UPDATE
-    SET attempts = excluded.attempts, last_error = excluded.last_error,
-        next_retry_at = excluded.next_retry_at, dead_at = excluded.dead_at, claim_id = NULL
-),
-released_deliveries AS (
-    UPDATE {deliveries} AS d SET claim_id = NULL,
-        next_retry_at = CASE
-            WHEN d.next_retry_at IS NULL AND d.event_id IN (
-                SELECT h.event_id FROM heads AS h WHERE h.subscriber = d.subscriber)
-            THEN now() ELSE d.next_retry_at END
-    FROM released_rows AS x
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
-      AND d.event_id = ANY($19::int8[]) AND (SELECT live FROM live)
-),
-promoted AS (
-    -- Rows that this record made the first of their key (the rows before them were
-    -- delivered): due now. (Not rows written above: a row is written once per statement.)
-    -- (`= ANY` makes this a lookup of the event index per head. The conditions on the row
-    -- are wrapped so that they cannot pick the due index instead, whose entries without a
-    -- due time are every waiting row.)
-    UPDATE {deliveries} AS d SET next_retry_at = now()
-    FROM (
-        SELECT h.subscriber, h.event_id FROM heads AS h
-        WHERE NOT EXISTS (SELECT 1 FROM new_rows AS n
-                          WHERE n.subscriber = h.subscriber AND n.event_id = h.event_id)
-          AND NOT EXISTS (SELECT 1 FROM released_rows AS r
-                          WHERE r.subscriber = h.subscriber AND r.event_id = h.event_id)
-    ) AS p
-    WHERE d.subscriber = p.subscriber AND d.event_id = p.event_id
-      AND d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
-      AND (d.next_retry_at IS NULL AND d.dead_at IS NULL) IS TRUE
-)
-SELECT live FROM live"#
-            )),
+            record_published: sql(record_published_sql(&end_claim)),
+            record: sql(record_sql(&end_claim)),
+            record_published_part: sql(record_published_sql(&shrink_claim("$2"))),
+            record_part: sql(record_sql(&shrink_claim("$20"))),
             requeue_events: sql(format!(
                 r#"
 WITH events AS (
@@ -1268,6 +1302,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         queries: &PgQueries,
         token: ClaimToken,
         outcomes: &Outcomes,
+        part: bool,
     ) -> Result<Recorded, sqlx::Error> {
         let all_published = outcomes.deliveries.is_empty()
             && outcomes
@@ -1283,7 +1318,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         };
         if all_published {
             let ids: Vec<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
-            let live: i64 = sqlx::query_scalar(queries.record_published.clone())
+            let query = if part {
+                &queries.record_published_part
+            } else {
+                &queries.record_published
+            };
+            let live: i64 = sqlx::query_scalar(query.clone())
                 .bind(token.get())
                 .bind(ids)
                 .fetch_one(pool)
@@ -1334,7 +1374,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 }
             }
         }
-        let record = sqlx::query_scalar(queries.record.clone())
+        let query = if part {
+            &queries.record_part
+        } else {
+            &queries.record
+        };
+        let record = sqlx::query_scalar(query.clone())
             .bind(token.get())
             .bind(published)
             .bind(parked_ids)
@@ -1354,6 +1399,18 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(up.dead)
             .bind(rel_subscribers)
             .bind(rel_ids);
+        // What leaves the claim when the record is of part of it: every event it names.
+        let record = if part {
+            record.bind(
+                outcomes
+                    .events
+                    .iter()
+                    .map(|(id, _)| *id)
+                    .collect::<Vec<i64>>(),
+            )
+        } else {
+            record
+        };
         if outcomes.deliveries.is_empty() {
             return Ok(recorded(record.fetch_one(pool).await?));
         }
@@ -2239,7 +2296,7 @@ mod tests {
                     .collect(),
                 deliveries: Vec::new(),
             };
-            let recorded = Postgres::record(&db.pool, &queries, batch.token, &outcomes);
+            let recorded = Postgres::record(&db.pool, &queries, batch.token, &outcomes, false);
             assert_eq!(recorded.await.unwrap(), Recorded::Applied);
         }
         // The floor passes them once every transaction of the server that ran while they were
@@ -2460,9 +2517,15 @@ mod tests {
         let batch = claim().await.unwrap();
         let claimed: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
         assert_eq!(claimed, ids);
-        let recorded = Postgres::record(&db.pool, &queries, batch.token, &delivered(&batch.claims))
-            .await
-            .unwrap();
+        let recorded = Postgres::record(
+            &db.pool,
+            &queries,
+            batch.token,
+            &delivered(&batch.claims),
+            false,
+        )
+        .await
+        .unwrap();
         assert_eq!(recorded, Recorded::Applied);
         let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox_deliveries")
             .fetch_one(&db.pool)
@@ -2488,7 +2551,7 @@ mod tests {
                     .push((claim.event_id(), EventOutcome::Published));
             }
             if !batch.is_empty() {
-                let recorded = Postgres::record(pool, queries, batch.token, &outcomes)
+                let recorded = Postgres::record(pool, queries, batch.token, &outcomes, false)
                     .await
                     .unwrap();
                 assert_eq!(recorded, Recorded::Applied);
@@ -2857,7 +2920,7 @@ mod tests {
             .await
             .unwrap();
         let before = deliveries_read(&pool).await;
-        let applied = Postgres::record(&pool, &queries, batch.token, &outcomes)
+        let applied = Postgres::record(&pool, &queries, batch.token, &outcomes, false)
             .await
             .unwrap();
         sqlx::query("SELECT pg_stat_force_next_flush()")

@@ -114,10 +114,14 @@ pub struct SqliteQueries {
     park: SqlStr,
     kill: SqlStr,
     release_events: SqlStr,
+    /// One event of a claim given back by a record of part of it.
+    release_event: SqlStr,
     unhold_by: SqlStr,
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
     release_deliveries: SqlStr,
+    /// One delivery of a claim given back by a record of part of it.
+    release_delivery: SqlStr,
     requeue_events: SqlStr,
     requeue_event_deliveries: SqlStr,
     requeue_subscriber: SqlStr,
@@ -387,7 +391,7 @@ WHERE id IN (SELECT value FROM json_each($1))"#
                 "UPDATE {claims} SET until = until WHERE id = $1 AND until >= $2"
             )),
             end_claim: sql(format!(
-                "DELETE FROM {claims} WHERE id = $1 AND until >= $2 RETURNING id"
+                "DELETE FROM {claims} WHERE id = $1 AND until >= $2"
             )),
             publish: sql(format!(
                 "UPDATE {outbox} SET published_at = $1, claim_id = NULL
@@ -410,6 +414,9 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             release_events: sql(format!(
                 "UPDATE {outbox} SET claim_id = NULL WHERE claim_id = $1"
             )),
+            release_event: sql(format!(
+                "UPDATE {outbox} SET claim_id = NULL WHERE id = $1 AND claim_id = $2"
+            )),
             unhold_by: sql(format!(
                 "UPDATE {outbox} SET held_by = NULL WHERE held_by = $1"
             )),
@@ -428,6 +435,10 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             )),
             release_deliveries: sql(format!(
                 "UPDATE {deliveries} SET claim_id = NULL WHERE claim_id = $1"
+            )),
+            release_delivery: sql(format!(
+                "UPDATE {deliveries} SET claim_id = NULL
+                 WHERE subscriber = $1 AND event_id = $2 AND claim_id = $3"
             )),
             requeue_events: sql(format!(
                 "UPDATE {outbox}
@@ -876,16 +887,24 @@ LIMIT $4"#
         queries: &SqliteQueries,
         token: ClaimToken,
         outcomes: &Outcomes,
+        part: bool,
     ) -> Result<Recorded, sqlx::Error> {
         let now = now();
         let token = token.get();
         let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
-        let live = sqlx::query(queries.end_claim.clone())
+        // The claim ends, or for a record of part of it stays (the write only checks it).
+        let end_or_keep = if part {
+            &queries.hold_claim
+        } else {
+            &queries.end_claim
+        };
+        let live = sqlx::query(end_or_keep.clone())
             .bind(token)
             .bind(now)
-            .fetch_optional(&mut *tx)
+            .execute(&mut *tx)
             .await?
-            .is_some();
+            .rows_affected()
+            == 1;
         if !live {
             tx.rollback().await?;
             return Ok(Recorded::Lost);
@@ -894,7 +913,14 @@ LIMIT $4"#
         for (id, outcome) in &outcomes.events {
             match outcome {
                 EventOutcome::Published => published.push(*id),
-                // Ending the claim gives the event back.
+                // Ending the claim gives the event back; a record of part of it, this.
+                EventOutcome::Released if part => {
+                    sqlx::query(queries.release_event.clone())
+                        .bind(id)
+                        .bind(token)
+                        .execute(&mut *tx)
+                        .await?;
+                }
                 EventOutcome::Released => {}
                 EventOutcome::Parked { reason, retry_in } => {
                     sqlx::query(queries.park.clone())
@@ -927,11 +953,13 @@ LIMIT $4"#
                 .execute(&mut *tx)
                 .await?;
         }
-        for query in [&queries.release_events, &queries.unhold_by] {
-            sqlx::query(query.clone())
-                .bind(token)
-                .execute(&mut *tx)
-                .await?;
+        if !part {
+            for query in [&queries.release_events, &queries.unhold_by] {
+                sqlx::query(query.clone())
+                    .bind(token)
+                    .execute(&mut *tx)
+                    .await?;
+            }
         }
         for d in &outcomes.deliveries {
             let upsert =
@@ -951,6 +979,10 @@ LIMIT $4"#
                     .bind(d.subscriber.clone())
                     .bind(d.event_id)
                     .bind(token),
+                DeliveryOutcome::Released if part => sqlx::query(queries.release_delivery.clone())
+                    .bind(d.subscriber.clone())
+                    .bind(d.event_id)
+                    .bind(token),
                 // Released below, with whatever else this claim holds.
                 DeliveryOutcome::Released => continue,
                 // Due once it is the first of its key: see `promote_head` below.
@@ -966,10 +998,12 @@ LIMIT $4"#
             };
             query.execute(&mut *tx).await?;
         }
-        sqlx::query(queries.release_deliveries.clone())
-            .bind(token)
-            .execute(&mut *tx)
-            .await?;
+        if !part {
+            sqlx::query(queries.release_deliveries.clone())
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+        }
         // The first row of each key this record touched is due; the rest wait behind it.
         let keys: BTreeSet<(&str, &str, Uuid)> = outcomes
             .deliveries

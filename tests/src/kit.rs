@@ -553,6 +553,18 @@ impl<S: Store> Store for WatchedStore<S> {
         self.inner.record(token, outcomes).await
     }
 
+    async fn record_part(
+        &self,
+        token: outbox_core::ClaimToken,
+        outcomes: &outbox_core::store::Outcomes,
+    ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
+        self.inner.record_part(token, outcomes).await
+    }
+
+    fn records_parts(&self) -> bool {
+        self.inner.records_parts()
+    }
+
     async fn requeue(
         &self,
         which: &outbox_core::store::Requeue,

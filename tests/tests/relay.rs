@@ -33,6 +33,7 @@ on_every_backend!(
     a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
     a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order,
     a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
+    a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
@@ -1114,6 +1115,74 @@ async fn a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order<B: 
         .collect();
     assert_eq!(seqs, [1, 2]);
     assert_eq!(B::delivery_count(outbox.pool()).await, 0);
+}
+
+async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient]);
+    // a's first event fails and waits 3 s for its retry, in the batch.
+    let config = config()
+        .with_retry(RetryPolicy::new([Duration::from_secs(3)]).unwrap())
+        .with_retry_in_place(Duration::from_millis(3500));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: a,
+                seq: 1,
+            },
+            Ping {
+                aggregate: b,
+                seq: 1,
+            },
+        ],
+    )
+    .await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.calls_of("x").len() == 2).await;
+    assert_eq!(probe.delivered_to("x"), [(b, 1)]);
+
+    // While a waits, b's next event is claimed and delivered; a's waits behind a's first.
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: b,
+                seq: 2,
+            },
+            Ping {
+                aggregate: a,
+                seq: 2,
+            },
+        ],
+    )
+    .await;
+    wait_for(|| probe.delivered_to("x").contains(&(b, 2))).await;
+    assert_eq!(
+        probe
+            .calls_of("x")
+            .iter()
+            .filter(|(g, _, _)| *g == a)
+            .count(),
+        1,
+        "b's second event waited for a's retry: {:?}",
+        probe.calls_of("x")
+    );
+    wait_for(|| probe.delivered_to("x").len() == 4).await;
+    worker.abort();
+    each_once_in_order(&probe, &[a, b], 2);
+    assert_eq!(
+        probe
+            .calls_of("x")
+            .iter()
+            .filter(|(g, _, _)| *g == a)
+            .count(),
+        3,
+        "a: one failure, its retry, its second event"
+    );
 }
 
 async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {

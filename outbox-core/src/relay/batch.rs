@@ -5,8 +5,9 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use futures_util::{StreamExt, stream};
-use tokio::sync::Semaphore;
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
+use tokio::sync::{Notify, Semaphore};
 use uuid::Uuid;
 
 use super::ahead::Progress;
@@ -79,40 +80,103 @@ impl Ran {
     }
 }
 
+/// Where a batch that may be recorded in parts sends its first part.
+pub(super) type SplitTx = tokio::sync::oneshot::Sender<(BatchReport, Outcomes)>;
+
 impl<S: Store, R: Router> Relay<S, R> {
     /// Hands claimed events and deliveries to their subscribers, in order per key, while `lease`
-    /// lasts.
+    /// lasts, at most `permits` calls at once (the permits may be shared with other batches).
+    ///
+    /// With `split`, once every key still running only waits for a retry in place, the
+    /// outcomes of the aggregates that are done are sent there (to be recorded at once: their
+    /// later events need not wait for the retries), and what this returns is the rest.
     pub(super) async fn deliver_batch(
         &self,
         claims: Vec<Claim>,
         lease: &Lease,
         progress: &Progress,
+        permits: &Semaphore,
+        mut split: Option<SplitTx>,
     ) -> (BatchReport, Outcomes) {
         let claimed = claims.len();
         let plan = self.plan(claims);
         progress.planned(plan.queues.iter().map(Vec::len).sum());
+        // A part is whole aggregates: a claim whose aggregate could not be read keeps the
+        // batch whole.
+        if plan.claims.iter().any(|claim| claim.aggregate().is_none()) {
+            split = None;
+        }
         let calls = Calls {
-            permits: Semaphore::new(self.config.concurrency),
+            permits,
             out_of_lease: AtomicBool::new(false),
             retried_in_place: AtomicUsize::new(0),
             progress,
+            running: AtomicUsize::new(plan.queues.len()),
+            waiting: AtomicUsize::new(0),
+            only_waiting: Notify::new(),
         };
         // The futures are made before they are streamed: a closure in the stream would make
         // the relay's future lose `Send` (rust-lang/rust#102211). Every queue is under way at
         // once; the permits bound the calls running.
-        let mut queues = Vec::with_capacity(plan.queues.len());
-        for queue in &plan.queues {
-            queues.push(self.run_queue(&plan, queue, lease, &calls));
+        let mut running = FuturesUnordered::new();
+        for (index, queue) in plan.queues.iter().enumerate() {
+            running.push(self.run_queue(&plan, index, queue, lease, &calls));
         }
-        let ran: Vec<Vec<(Step, Ran)>> = stream::iter(queues)
-            .buffer_unordered(plan.queues.len().max(1))
-            .collect()
-            .await;
-        let (delivered, outcomes) = assemble(plan, ran);
+        let mut ran: Vec<Option<Vec<(Step, Ran)>>> = plan.queues.iter().map(|_| None).collect();
+        // The aggregates recorded as the first part, once it is sent.
+        let mut first_part: Option<HashSet<(&str, Uuid)>> = None;
+        loop {
+            tokio::select! {
+                biased;
+                next = running.next() => match next {
+                    Some((index, result)) => ran[index] = Some(result),
+                    None => break,
+                },
+                () = calls.only_waiting.notified(), if split.is_some() => {
+                    let done = done_aggregates(&plan, &ran);
+                    if calls.only_waiting() && !done.is_empty() {
+                        let part: Vec<Vec<(Step, Ran)>> = ran
+                            .iter_mut()
+                            .filter_map(|r| r.take_if(|r| r.first().is_some_and(|(step, _)| {
+                                plan.claims[step.claim]
+                                    .aggregate()
+                                    .is_some_and(|a| done.contains(&a))
+                            })))
+                            .collect();
+                        let report = self.report(&plan, part, claimed, lease, &|a| done.contains(&a));
+                        if let Some(split) = split.take() {
+                            // (The receiver gone: the batch is over for its loop anyway.)
+                            let _ = split.send(report);
+                        }
+                        first_part = Some(done);
+                    }
+                }
+            }
+        }
+        let ran: Vec<Vec<(Step, Ran)>> = ran.into_iter().flatten().collect();
+        let (mut report, outcomes) = match &first_part {
+            None => self.report(&plan, ran, claimed, lease, &|_| true),
+            Some(done) => self.report(&plan, ran, claimed, lease, &|a| !done.contains(&a)),
+        };
+        report.retried_in_place = calls.retried_in_place.load(Ordering::Relaxed);
+        (report, outcomes)
+    }
+
+    /// The outcomes of the claims of `plan` whose aggregate is `in_part`, from the calls `ran`,
+    /// and their report.
+    fn report(
+        &self,
+        plan: &Plan<Decoded>,
+        ran: Vec<Vec<(Step, Ran)>>,
+        claimed: usize,
+        lease: &Lease,
+        in_part: &dyn Fn((&str, Uuid)) -> bool,
+    ) -> (BatchReport, Outcomes) {
+        let (delivered, outcomes) = assemble(plan, ran, in_part);
         let mut report = BatchReport {
             claimed,
             delivered,
-            retried_in_place: calls.retried_in_place.into_inner(),
+            lost: lease.is_lost(),
             ..BatchReport::default()
         };
         tally(&outcomes, &mut report);
@@ -137,7 +201,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .iter()
             .map(|queue| queue.iter().map(|&step| (step, Ran::NoLease)).collect())
             .collect();
-        assemble(plan, ran).1
+        assemble(&plan, ran, &|_| true).1
     }
 
     /// Makes one key's calls in order until one fails; the rest are held back. The key holds
@@ -145,6 +209,21 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
     /// permit) and retried here, if the claim outlasts the wait and the handler timeout.
     async fn run_queue(
+        &self,
+        plan: &Plan<Decoded>,
+        index: usize,
+        queue: &[Step],
+        lease: &Lease,
+        calls: &Calls<'_>,
+    ) -> (usize, Vec<(Step, Ran)>) {
+        let ran = self.run_steps(plan, queue, lease, calls).await;
+        calls.running.fetch_sub(1, Ordering::Relaxed);
+        calls.note_waiting();
+        (index, ran)
+    }
+
+    /// [`run_queue`](Self::run_queue)'s calls.
+    async fn run_steps(
         &self,
         plan: &Plan<Decoded>,
         queue: &[Step],
@@ -223,7 +302,10 @@ impl<S: Store, R: Router> Relay<S, R> {
                 calls.retried_in_place.fetch_add(1, Ordering::Relaxed);
                 // Other keys' calls run meanwhile.
                 drop(permit.take());
+                calls.waiting.fetch_add(1, Ordering::Relaxed);
+                calls.note_waiting();
                 tokio::time::sleep(retry_in).await;
+                calls.waiting.fetch_sub(1, Ordering::Relaxed);
                 permit = calls.permits.acquire().await.ok();
                 if !calls.can_start(lease, self.config.handler_timeout) {
                     // Written down as the failure it was, due about now.
@@ -241,14 +323,33 @@ impl<S: Store, R: Router> Relay<S, R> {
 /// What the queues of one batch share.
 struct Calls<'a> {
     /// The handler calls that may run at once: the relay's concurrency.
-    permits: Semaphore,
+    permits: &'a Semaphore,
     /// Set once a call could not start for want of lease: no more start.
     out_of_lease: AtomicBool,
     retried_in_place: AtomicUsize,
     progress: &'a Progress,
+    /// Queues not done.
+    running: AtomicUsize,
+    /// Queues waiting for a retry in place.
+    waiting: AtomicUsize,
+    /// Told when every queue not done waits for a retry in place.
+    only_waiting: Notify,
 }
 
 impl Calls<'_> {
+    /// Whether every queue not done waits for a retry in place (and one does).
+    fn only_waiting(&self) -> bool {
+        let waiting = self.waiting.load(Ordering::Relaxed);
+        waiting > 0 && waiting == self.running.load(Ordering::Relaxed)
+    }
+
+    /// Tells the batch when every queue not done waits for a retry in place.
+    fn note_waiting(&self) {
+        if self.only_waiting() {
+            self.only_waiting.notify_one();
+        }
+    }
+
     /// Notes what became of a planned call.
     fn ran(&self, ran: &mut Vec<(Step, Ran)>, step: Step, result: Ran) {
         ran.push((step, result));
@@ -272,7 +373,14 @@ impl Calls<'_> {
 /// An event none of whose handlers was called because the lease ran short is given back whole,
 /// unless a later claim of its aggregate in the batch was kept (recorded other than released):
 /// then it is published with its deliveries waiting, so that its aggregate's order holds.
-fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
+///
+/// Only the claims whose aggregate is `in_part` are assembled (`ran` has their calls): a batch
+/// recorded in parts is split by aggregate.
+fn assemble<D>(
+    plan: &Plan<D>,
+    ran: Vec<Vec<(Step, Ran)>>,
+    in_part: &dyn Fn((&str, Uuid)) -> bool,
+) -> (usize, Outcomes) {
     let mut results: Vec<Vec<Option<Ran>>> = plan
         .claims
         .iter()
@@ -289,25 +397,26 @@ fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
     }
     let release_whole = given_back_whole(&plan.claims, &results);
     let mut outcomes = Outcomes::default();
-    for ((claim, results), release) in plan.claims.into_iter().zip(results).zip(release_whole) {
+    for ((claim, results), release) in plan.claims.iter().zip(results).zip(release_whole) {
+        if !claim.aggregate().is_none_or(in_part) {
+            continue;
+        }
         match claim {
-            Planned::Event { id, outcome, .. } => outcomes.events.push((id, outcome)),
-            Planned::Delivery(record) => outcomes.deliveries.push(record),
+            Planned::Event { id, outcome, .. } => outcomes.events.push((*id, outcome.clone())),
+            Planned::Delivery(record) => outcomes.deliveries.push(record.clone()),
             Planned::FanOut { event, .. } if release => {
                 outcomes.events.push((event.id, EventOutcome::Released));
             }
             Planned::FanOut { event, slots, .. } => {
-                for (slot, result) in slots.into_iter().zip(results) {
+                for (slot, result) in slots.iter().zip(results) {
                     let subscriber = slot.stored_name().to_owned();
-                    let outcome = match (slot.slot, result) {
-                        (Slot::Decided(outcome), _) => outcome,
+                    let outcome = match (&slot.slot, result) {
+                        (Slot::Decided(outcome), _) => outcome.clone(),
                         (Slot::Run, Some(Ran::Delivered)) => continue,
                         (Slot::Run, Some(Ran::Failed(outcome))) => outcome,
                         (Slot::Run, _) => DeliveryOutcome::Waiting,
                     };
-                    outcomes
-                        .deliveries
-                        .push(record(&event, subscriber, outcome));
+                    outcomes.deliveries.push(record(event, subscriber, outcome));
                 }
                 outcomes.events.push((event.id, EventOutcome::Published));
             }
@@ -321,11 +430,32 @@ fn assemble<D>(plan: Plan<D>, ran: Vec<Vec<(Step, Ran)>>) -> (usize, Outcomes) {
                 };
                 outcomes
                     .deliveries
-                    .push(record(&event, subscriber, outcome));
+                    .push(record(event, subscriber.clone(), outcome));
             }
         }
     }
     (delivered, outcomes)
+}
+
+/// The aggregates of `plan` none of whose queues is still running (`ran` has the results of
+/// the queues done, by index).
+fn done_aggregates<'p, D>(
+    plan: &'p Plan<D>,
+    ran: &[Option<Vec<(Step, Ran)>>],
+) -> HashSet<(&'p str, Uuid)> {
+    let busy: HashSet<(&str, Uuid)> = plan
+        .queues
+        .iter()
+        .zip(ran)
+        .filter(|(_, ran)| ran.is_none())
+        .filter_map(|(queue, _)| queue.first())
+        .filter_map(|step| plan.claims[step.claim].aggregate())
+        .collect();
+    plan.claims
+        .iter()
+        .filter_map(Planned::aggregate)
+        .filter(|aggregate| !busy.contains(aggregate))
+        .collect()
 }
 
 /// Which fanned-out events are given back whole: none of their handlers was called, one for
@@ -436,6 +566,67 @@ mod tests {
     }
 
     #[test]
+    fn a_batch_is_recorded_in_parts_of_whole_aggregates() {
+        // Aggregate 1: events 10 and 12 for x and y; aggregate 2: event 11 for x and y.
+        let plan = Plan {
+            claims: vec![
+                fan_out(10, 1, &["x", "y"]),
+                fan_out(11, 2, &["x", "y"]),
+                fan_out(12, 1, &["x", "y"]),
+            ],
+            queues: vec![
+                vec![Step { claim: 0, slot: 0 }, Step { claim: 2, slot: 0 }],
+                vec![Step { claim: 0, slot: 1 }, Step { claim: 2, slot: 1 }],
+                vec![Step { claim: 1, slot: 0 }],
+                vec![Step { claim: 1, slot: 1 }],
+            ],
+        };
+        let delivered = |queue: &[Step]| -> Vec<(Step, Ran)> {
+            queue.iter().map(|&step| (step, Ran::Delivered)).collect()
+        };
+        // Aggregate 1's two queues are done; aggregate 2's y still runs (waits for a retry).
+        let mut ran: Vec<Option<Vec<(Step, Ran)>>> = vec![
+            Some(delivered(&plan.queues[0])),
+            Some(delivered(&plan.queues[1])),
+            Some(delivered(&plan.queues[2])),
+            None,
+        ];
+        let done = done_aggregates(&plan, &ran);
+        let one = ("t", Uuid::from_u128(1));
+        assert_eq!(done, HashSet::from([one]));
+
+        let part: Vec<_> = [ran[0].take().unwrap(), ran[1].take().unwrap()].into();
+        let (succeeded, first) = assemble(&plan, part, &|a| done.contains(&a));
+        assert_eq!(succeeded, 4);
+        assert_eq!(
+            first.events,
+            [(10, EventOutcome::Published), (12, EventOutcome::Published)]
+        );
+        assert!(first.deliveries.is_empty());
+
+        // The rest: aggregate 2, its x call done before the split, its y call failed after.
+        ran[3] = Some(vec![step(
+            1,
+            1,
+            Ran::Failed(DeliveryOutcome::Retry {
+                attempts: 2,
+                error: "no".to_owned(),
+                retry_in: std::time::Duration::from_secs(1),
+            }),
+        )]);
+        let rest: Vec<_> = ran.into_iter().flatten().collect();
+        let (succeeded, rest) = assemble(&plan, rest, &|a| !done.contains(&a));
+        assert_eq!(succeeded, 1);
+        assert_eq!(rest.events, [(11, EventOutcome::Published)]);
+        let deliveries: Vec<(i64, &str)> = rest
+            .deliveries
+            .iter()
+            .map(|d| (d.event_id, d.subscriber.as_str()))
+            .collect();
+        assert_eq!(deliveries, [(11, "y")]);
+    }
+
+    #[test]
     fn an_event_short_of_lease_is_given_back_unless_a_later_one_of_its_aggregate_is_kept() {
         // 0: aggregate 1, y only, short of lease; 1: aggregate 1, x delivered and y short;
         // 2: aggregate 2, short of lease; 3: aggregate 2, x failed before the lease ran short.
@@ -462,7 +653,7 @@ mod tests {
                 }),
             ),
         ]];
-        let (delivered, outcomes) = assemble(plan, ran);
+        let (delivered, outcomes) = assemble(&plan, ran, &|_| true);
         assert_eq!(delivered, 1);
         assert_eq!(
             outcomes.events,

@@ -23,10 +23,11 @@ mod plan;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use futures_util::FutureExt;
+use futures_util::{FutureExt, StreamExt};
+use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::Empty;
@@ -190,11 +191,31 @@ struct Lookahead {
 }
 
 /// What a relay's claim gave.
-enum Claimed {
+enum Claimed<'a> {
     /// A batch, delivered: its token, report and outcomes.
     Delivered(ClaimToken, BatchReport, Outcomes),
+    /// A batch whose aggregates that are done are to be recorded now (the outcomes), while
+    /// `rest` runs the keys waiting for a retry in place and gives the rest of the outcomes.
+    Split {
+        token: ClaimToken,
+        report: BatchReport,
+        outcomes: Outcomes,
+        rest: Running<'a>,
+    },
     /// No work; `more` when the store may find some if asked again at once.
     Nothing { more: bool },
+}
+
+/// A batch's delivery under way: its report and outcomes when it is done.
+type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes)> + Send + 'a>>;
+
+/// What the rests of split batches, finished beside the delivery loop, tell it.
+#[derive(Default)]
+struct Rests {
+    /// When the earliest retry or parked event they recorded is due.
+    next_due: Mutex<Option<Instant>>,
+    /// Told when one was recorded: its aggregates are free again.
+    recorded: tokio::sync::Notify,
 }
 
 impl<S: Store, R: Router> Relay<S, R> {
@@ -269,9 +290,52 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
     }
 
-    /// The delivery loop of [`run`](Self::run).
+    /// The delivery loop of [`run`](Self::run), and beside it the rests of the batches it
+    /// split: it returns when both are done. Their handler calls share the relay's
+    /// concurrency.
     async fn deliver_until(&self, shutdown: impl Future<Output = ()>) {
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let rests = Rests::default();
+        let (to_finish, finishing) = tokio::sync::mpsc::unbounded_channel();
+        tokio::join!(
+            self.delivery_loop(shutdown, &permits, &rests, to_finish),
+            Self::finish_rests(finishing),
+        );
+    }
+
+    /// Runs the rests of split batches (each records itself) until the delivery loop ended
+    /// and every rest is done.
+    async fn finish_rests(
+        mut finishing: tokio::sync::mpsc::UnboundedReceiver<
+            Pin<Box<dyn Future<Output = ()> + Send + '_>>,
+        >,
+    ) {
+        let mut running = futures_util::stream::FuturesUnordered::new();
+        let mut open = true;
+        loop {
+            tokio::select! {
+                rest = finishing.recv(), if open => match rest {
+                    Some(rest) => running.push(rest),
+                    None => open = false,
+                },
+                Some(()) = running.next(), if !running.is_empty() => {}
+                else => return,
+            }
+        }
+    }
+
+    /// The delivery loop: claims, delivers, records.
+    async fn delivery_loop<'a>(
+        &'a self,
+        shutdown: impl Future<Output = ()>,
+        permits: &Arc<Semaphore>,
+        rests: &'a Rests,
+        to_finish: tokio::sync::mpsc::UnboundedSender<
+            Pin<Box<dyn Future<Output = ()> + Send + 'a>>,
+        >,
+    ) {
         let mut shutdown = std::pin::pin!(shutdown);
+        let parts = self.store.records_parts();
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<(ClaimToken, Outcomes)> = None;
@@ -289,16 +353,16 @@ impl<S: Store, R: Router> Relay<S, R> {
                     (ahead.batch.token, outcomes)
                 });
                 for (token, outcomes) in unrecorded.into_iter().chain(given_back) {
-                    self.record_or_log(token, &outcomes).await;
+                    self.record_or_log(token, &outcomes, false).await;
                 }
                 return;
             }
             let recording = unrecorded.is_some();
-            let next = self.claim_and_deliver(&mut lookahead);
+            let next = self.claim_and_deliver(&mut lookahead, permits, parts);
             let claimed = match unrecorded.take() {
                 None => next.await,
                 Some((token, outcomes)) => {
-                    let claimed = tokio::join!(self.record_or_log(token, &outcomes), next).1;
+                    let claimed = tokio::join!(self.record_or_log(token, &outcomes, false), next).1;
                     note_due(&mut next_due, &outcomes);
                     claimed
                 }
@@ -316,18 +380,48 @@ impl<S: Store, R: Router> Relay<S, R> {
                     }
                     // Everything was given back: record that, then wait for news (unless a
                     // batch was claimed ahead meanwhile).
-                    self.record_or_log(token, &outcomes).await;
+                    self.record_or_log(token, &outcomes, false).await;
                     note_due(&mut next_due, &outcomes);
-                    if lookahead.next.is_none() && self.idle(&mut shutdown, &mut next_due).await {
+                    if lookahead.next.is_none()
+                        && self.idle(&mut shutdown, &mut next_due, rests).await
+                    {
                         return;
                     }
+                }
+                Ok(Claimed::Split {
+                    token,
+                    report,
+                    outcomes,
+                    rest,
+                }) => {
+                    failures.reset();
+                    // Recorded before the next claim, which may then take the later events of
+                    // the aggregates it frees.
+                    if !report.lost {
+                        self.record_or_log(token, &outcomes, true).await;
+                        note_due(&mut next_due, &outcomes);
+                    }
+                    let finish = async move {
+                        let (report, outcomes) = rest.await;
+                        if !report.lost {
+                            self.record_or_log(token, &outcomes, false).await;
+                            let mut next_due = rests
+                                .next_due
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner);
+                            note_due(&mut next_due, &outcomes);
+                        }
+                        rests.recorded.notify_one();
+                    };
+                    // (The receiver outlives this loop.)
+                    let _ = to_finish.send(Box::pin(finish));
                 }
                 // Events were set aside, or the batch just recorded may have held some back:
                 // look again at once.
                 Ok(Claimed::Nothing { more }) if more || recording => failures.reset(),
                 Ok(Claimed::Nothing { .. }) => {
                     failures.reset();
-                    if self.idle(&mut shutdown, &mut next_due).await {
+                    if self.idle(&mut shutdown, &mut next_due, rests).await {
                         return;
                     }
                 }
@@ -356,8 +450,15 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
     /// While it runs, the next batch is claimed ahead if `lookahead` is on and the handlers are
-    /// slower than a claim (about as long as the last one took).
-    async fn claim_and_deliver(&self, lookahead: &mut Lookahead) -> Result<Claimed, StoreError> {
+    /// slower than a claim (about as long as the last one took). With `parts`, a batch whose
+    /// keys left only wait for retries in place is split: what is done is returned to be
+    /// recorded, with the rest still running.
+    async fn claim_and_deliver(
+        &self,
+        lookahead: &mut Lookahead,
+        permits: &Arc<Semaphore>,
+        parts: bool,
+    ) -> Result<Claimed<'_>, StoreError> {
         let (batch, lease) = match lookahead.next.take() {
             Some(ahead) => {
                 lookahead.claim_takes = Some(ahead.took);
@@ -375,15 +476,56 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         };
         let token = batch.token;
-        let progress = Progress::new(lookahead.claim_takes.filter(|_| lookahead.on));
-        let delivering = async {
-            let delivered = self.deliver(batch, &lease, &progress).await;
-            progress.over();
-            delivered
+        let progress = Arc::new(Progress::new(
+            lookahead.claim_takes.filter(|_| lookahead.on),
+        ));
+        let (split, mut first_part) = match parts {
+            true => {
+                let (split, first_part) = tokio::sync::oneshot::channel();
+                (Some(split), Some(first_part))
+            }
+            false => (None, None),
         };
-        let ((report, outcomes), next) = tokio::join!(delivering, self.claim_ahead(&progress));
+        let mut running: Running<'_> = Box::pin(self.deliver(
+            batch,
+            lease,
+            Arc::clone(&progress),
+            Arc::clone(permits),
+            split,
+        ));
+        let delivering = async {
+            let split_off = async {
+                match first_part.as_mut() {
+                    Some(first_part) => first_part.await.ok(),
+                    None => None,
+                }
+            };
+            let ended = tokio::select! {
+                biased;
+                whole = &mut running => Err(whole),
+                Some(part) = split_off => Ok(part),
+            };
+            progress.over();
+            ended
+        };
+        let (ended, next) = tokio::join!(delivering, self.claim_ahead(&progress));
         lookahead.next = next;
-        Ok(Claimed::Delivered(token, report, outcomes))
+        Ok(match ended {
+            Ok((report, outcomes)) => Claimed::Split {
+                token,
+                report,
+                outcomes,
+                rest: running,
+            },
+            // (A part sent as the batch ended is recorded with the rest, at once.)
+            Err((report, mut outcomes)) => {
+                if let Some(Ok((_, part))) = first_part.map(|mut part| part.try_recv()) {
+                    outcomes.events.extend(part.events);
+                    outcomes.deliveries.extend(part.deliveries);
+                }
+                Claimed::Delivered(token, report, outcomes)
+            }
+        })
     }
 
     /// Claims the next batch when `progress` says so, and keeps its lease until the batch in
@@ -417,7 +559,16 @@ impl<S: Store, R: Router> Relay<S, R> {
         &self,
         shutdown: &mut Pin<&mut impl Future<Output = ()>>,
         next_due: &mut Option<Instant>,
+        rests: &Rests,
     ) -> bool {
+        if let Some(due) = rests
+            .next_due
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take()
+        {
+            *next_due = Some(next_due.map_or(due, |d| d.min(due)));
+        }
         let now = Instant::now();
         let mut until = now + self.config.poll_interval;
         if let Some(due) = *next_due {
@@ -431,6 +582,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             biased;
             () = shutdown.as_mut() => true,
             () = self.store.notified() => false,
+            // The rest of a split batch was recorded: its aggregates are free again.
+            () = rests.recorded.notified() => false,
             () = tokio::time::sleep_until(until) => false,
         }
     }
@@ -505,8 +658,13 @@ impl<S: Store, R: Router> Relay<S, R> {
     pub async fn run_once(&self) -> Result<BatchReport, StoreError> {
         // (Never ahead: the batch after is not this call's.)
         let mut lookahead = Lookahead::default();
-        let (token, mut report, outcomes) = match self.claim_and_deliver(&mut lookahead).await? {
+        let permits = Arc::new(Semaphore::new(self.config.concurrency));
+        let claimed = self
+            .claim_and_deliver(&mut lookahead, &permits, false)
+            .await?;
+        let (token, mut report, outcomes) = match claimed {
             Claimed::Delivered(token, report, outcomes) => (token, report, outcomes),
+            Claimed::Split { .. } => unreachable!("a batch is split only when asked"),
             Claimed::Nothing { more } => {
                 return Ok(BatchReport {
                     more,
@@ -515,7 +673,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         };
         if !report.lost && !outcomes.is_empty() {
-            report.lost = self.record(token, &outcomes).await? == Recorded::Lost;
+            report.lost = self.record(token, &outcomes, false).await? == Recorded::Lost;
         }
         Ok(report)
     }
@@ -546,8 +704,10 @@ impl<S: Store, R: Router> Relay<S, R> {
     async fn deliver(
         &self,
         batch: Batch,
-        lease: &Lease,
-        progress: &Progress,
+        lease: Lease,
+        progress: Arc<Progress>,
+        permits: Arc<Semaphore>,
+        split: Option<batch::SplitTx>,
     ) -> (BatchReport, Outcomes) {
         let span = tracing::info_span!(
             "outbox.batch",
@@ -559,7 +719,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             parked = Empty,
         );
         let delivering = self
-            .deliver_batch(batch.claims, lease, progress)
+            .deliver_batch(batch.claims, &lease, &progress, &permits, split)
             .instrument(span.clone());
         let (mut report, outcomes) = tokio::select! {
             biased;
@@ -577,11 +737,11 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Records outcomes; if that keeps failing, says so (the batch is delivered again once its
     /// claim expires, which at-least-once allows).
-    async fn record_or_log(&self, token: ClaimToken, outcomes: &Outcomes) {
+    async fn record_or_log(&self, token: ClaimToken, outcomes: &Outcomes, part: bool) {
         if outcomes.is_empty() {
             return;
         }
-        if let Err(error) = self.record(token, outcomes).await {
+        if let Err(error) = self.record(token, outcomes, part).await {
             tracing::error!(
                 %error,
                 claim = %token,
@@ -593,11 +753,21 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Records outcomes, retrying a few times: the handlers already ran, and a lost record means
     /// delivering the batch again once its claim expires. A claim found lost is counted and
     /// logged: its outcomes are dropped.
-    async fn record(&self, token: ClaimToken, outcomes: &Outcomes) -> Result<Recorded, StoreError> {
+    /// With `part`, the outcomes are of part of the batch ([`Store::record_part`]).
+    async fn record(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+        part: bool,
+    ) -> Result<Recorded, StoreError> {
         let mut wait = Duration::from_millis(50);
         let (mut tries, mut lost_connections) = (1, 0);
         loop {
-            match self.store.record(token, outcomes).await {
+            let recorded = match part {
+                true => self.store.record_part(token, outcomes).await,
+                false => self.store.record(token, outcomes).await,
+            };
+            match recorded {
                 Ok(Recorded::Applied) => return Ok(Recorded::Applied),
                 Ok(Recorded::Lost) => {
                     telemetry::claim_lost();

@@ -94,6 +94,21 @@ pub(super) enum Planned<D> {
     },
 }
 
+impl<D> Planned<D> {
+    /// The claim's aggregate (type and id); `None` for an event that could not be read.
+    pub(super) fn aggregate(&self) -> Option<(&str, Uuid)> {
+        match self {
+            Planned::Event { aggregate, .. } => aggregate.as_ref().map(|(t, id)| (t.as_str(), *id)),
+            Planned::Delivery(record) => {
+                Some((record.aggregate_type.as_str(), record.aggregate_id))
+            }
+            Planned::FanOut { event, .. } | Planned::Again { event, .. } => {
+                Some((event.aggregate_type.as_str(), event.aggregate_id))
+            }
+        }
+    }
+}
+
 /// One subscriber's share of a fanned-out event.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct FanOutSlot {
