@@ -452,6 +452,9 @@ pub struct WatchedStore<S> {
     records_to_lose: Arc<std::sync::atomic::AtomicUsize>,
     /// How many records failed so.
     pub lost_records: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many of the next records of part of a claim fail (see
+    /// [`losing_parts`](Self::losing_parts)).
+    parts_to_lose: Arc<std::sync::atomic::AtomicUsize>,
     /// The handler calls running (see [`watching`](Self::watching)).
     busy: Arc<std::sync::atomic::AtomicUsize>,
     /// How many claims that found work started while handler calls ran.
@@ -470,6 +473,7 @@ impl<S> WatchedStore<S> {
             statuses: Arc::default(),
             records_to_lose: Arc::default(),
             lost_records: Arc::default(),
+            parts_to_lose: Arc::default(),
             busy: Arc::default(),
             claimed_while_busy: Arc::default(),
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
@@ -481,6 +485,15 @@ impl<S> WatchedStore<S> {
     #[must_use]
     pub fn watching(mut self, busy: Arc<std::sync::atomic::AtomicUsize>) -> Self {
         self.busy = busy;
+        self
+    }
+
+    /// Fails the first `n` records of part of a claim ([`Store::record_part`]), as a store
+    /// that stops answering would.
+    #[must_use]
+    pub fn losing_parts(self, n: usize) -> Self {
+        self.parts_to_lose
+            .store(n, std::sync::atomic::Ordering::SeqCst);
         self
     }
 
@@ -558,6 +571,17 @@ impl<S: Store> Store for WatchedStore<S> {
         token: outbox_core::ClaimToken,
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self
+            .parts_to_lose
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.lost_records.fetch_add(1, SeqCst);
+            return Err(outbox_core::StoreError::new(
+                "the record was lost (injected)",
+            ));
+        }
         self.inner.record_part(token, outcomes).await
     }
 

@@ -34,6 +34,8 @@ on_every_backend!(
     a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order,
     a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
     a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate,
+    aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait,
+    a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
@@ -1183,6 +1185,130 @@ async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<
         3,
         "a: one failure, its retry, its second event"
     );
+}
+
+async fn aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    // a's first event fails twice (retried after 1 s, then 2 s), c's once (after 1 s).
+    probe.fail("x", a, 1, [Fail::Transient, Fail::Transient]);
+    probe.fail("x", c, 1, [Fail::Transient]);
+    let config = config()
+        .with_retry(RetryPolicy::new([Duration::from_secs(1), Duration::from_secs(2)]).unwrap())
+        .with_retry_in_place(Duration::from_millis(2500));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: a,
+                seq: 1,
+            },
+            Ping {
+                aggregate: b,
+                seq: 1,
+            },
+            Ping {
+                aggregate: c,
+                seq: 1,
+            },
+        ],
+    )
+    .await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").contains(&(c, 1))).await;
+
+    // c is done while a still waits: c's next event is delivered before a's third attempt.
+    publish(
+        &outbox,
+        &[
+            Ping {
+                aggregate: c,
+                seq: 2,
+            },
+            Ping {
+                aggregate: a,
+                seq: 2,
+            },
+        ],
+    )
+    .await;
+    wait_for(|| probe.delivered_to("x").contains(&(c, 2))).await;
+    assert_eq!(
+        probe
+            .calls_of("x")
+            .iter()
+            .filter(|(g, _, _)| *g == a)
+            .count(),
+        2,
+        "c's second event waited for a's last retry: {:?}",
+        probe.calls_of("x")
+    );
+    wait_for(|| probe.delivered_to("x").len() == 5).await;
+    worker.abort();
+    each_once_in_order(&probe, &[a, c], 2);
+    each_once_in_order(&probe, &[b], 1);
+}
+
+async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // b's event is a delivery of its own (a dead letter requeued), claimed with a's event.
+    probe.fail("x", b, 1, [Fail::Permanent]);
+    publish(
+        &outbox,
+        &[Ping {
+            aggregate: b,
+            seq: 1,
+        }],
+    )
+    .await;
+    relay(&outbox, OnlyX::new(&probe), config())
+        .run_once()
+        .await
+        .unwrap();
+    let requeued = outbox.requeue(&Requeue::Subscriber("x".into())).await;
+    assert_eq!(requeued.unwrap(), 1);
+    // a's first event waits for a retry in place: b's delivery is recorded first, as a part,
+    // and that record fails (five tries: every try of the relay's).
+    probe.fail("x", a, 1, [Fail::Transient]);
+    publish(
+        &outbox,
+        &[Ping {
+            aggregate: a,
+            seq: 1,
+        }],
+    )
+    .await;
+    let store = WatchedStore::new(outbox.store()).losing_parts(5);
+    let lost = store.lost_records.clone();
+    let config = config()
+        .with_lease(Duration::from_secs(3))
+        .with_handler_timeout(Duration::from_secs(1))
+        .with_retry(RetryPolicy::new([ms(300)]).unwrap())
+        .with_retry_in_place(ms(500));
+    let relay = Relay::new(store, OnlyX::new(&probe), config).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| lost.load(std::sync::atomic::Ordering::SeqCst) == 5).await;
+    // Nothing of the claim was recorded (the rest neither: its record would end the claim and
+    // leave b's delivery marked with it for ever): when it expires, both are delivered again,
+    // and then recorded.
+    wait_for(|| probe.delivered_to("x").iter().filter(|d| d.0 == b).count() == 2).await;
+    wait_for(|| probe.delivered_to("x").iter().filter(|d| d.0 == a).count() == 2).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let status = outbox.status().await.unwrap();
+        if status.is_empty() {
+            break;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{status:?}");
+        tokio::time::sleep(ms(20)).await;
+    }
+    worker.abort();
 }
 
 async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {

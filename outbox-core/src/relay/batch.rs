@@ -5,7 +5,11 @@
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
+use std::future::Future;
+use std::pin::Pin;
+
 use futures_util::StreamExt;
+use futures_util::future::OptionFuture;
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::{Notify, Semaphore};
 use uuid::Uuid;
@@ -123,8 +127,12 @@ impl<S: Store, R: Router> Relay<S, R> {
             running.push(self.run_queue(&plan, index, queue, lease, &calls));
         }
         let mut ran: Vec<Option<Vec<(Step, Ran)>>> = plan.queues.iter().map(|_| None).collect();
-        // The aggregates recorded as the first part, once it is sent.
-        let mut first_part: Option<HashSet<(&str, Uuid)>> = None;
+        let parts = split.is_some();
+        // The aggregates recorded in parts: the first one sent to `split`, the later ones
+        // recorded from here, one at a time, as more aggregates are done.
+        let mut recorded: HashSet<(&str, Uuid)> = HashSet::new();
+        let mut recording: Option<Pin<Box<dyn Future<Output = bool> + Send + '_>>> = None;
+        let mut parts_recorded = true;
         loop {
             tokio::select! {
                 biased;
@@ -132,32 +140,60 @@ impl<S: Store, R: Router> Relay<S, R> {
                     Some((index, result)) => ran[index] = Some(result),
                     None => break,
                 },
-                () = calls.only_waiting.notified(), if split.is_some() => {
-                    let done = done_aggregates(&plan, &ran);
-                    if calls.only_waiting() && !done.is_empty() {
-                        let part: Vec<Vec<(Step, Ran)>> = ran
-                            .iter_mut()
-                            .filter_map(|r| r.take_if(|r| r.first().is_some_and(|(step, _)| {
-                                plan.claims[step.claim]
-                                    .aggregate()
-                                    .is_some_and(|a| done.contains(&a))
-                            })))
-                            .collect();
-                        let report = self.report(&plan, part, claimed, lease, &|a| done.contains(&a));
-                        if let Some(split) = split.take() {
-                            // (The receiver gone: the batch is over for its loop anyway.)
-                            let _ = split.send(report);
-                        }
-                        first_part = Some(done);
-                    }
+                Some(applied) = OptionFuture::from(recording.as_mut()) => {
+                    recording = None;
+                    parts_recorded &= applied;
+                }
+                () = calls.only_waiting.notified(), if parts => {}
+            }
+            // (Checked after each event: a part record ending, or a queue, may leave the
+            // batch waiting only for retries, with more aggregates done.)
+            if !parts || recording.is_some() || !parts_recorded || !calls.only_waiting() {
+                continue;
+            }
+            let mut done = done_aggregates(&plan, &ran);
+            done.retain(|a| !recorded.contains(a));
+            if done.is_empty() {
+                continue;
+            }
+            let part: Vec<Vec<(Step, Ran)>> = ran
+                .iter_mut()
+                .filter_map(|r| {
+                    r.take_if(|r| {
+                        r.first().is_some_and(|(step, _)| {
+                            plan.claims[step.claim]
+                                .aggregate()
+                                .is_some_and(|a| done.contains(&a))
+                        })
+                    })
+                })
+                .collect();
+            let (report, outcomes) =
+                self.report(&plan, part, claimed, lease, &|a| done.contains(&a));
+            recorded.extend(done);
+            match split.take() {
+                // (The receiver gone: the batch is over for its loop anyway.)
+                Some(split) => drop(split.send((report, outcomes))),
+                None => {
+                    let token = lease.token();
+                    recording = Some(Box::pin(async move {
+                        self.record_or_log(token, &outcomes, true).await
+                    }));
                 }
             }
         }
+        if let Some(recording) = recording {
+            parts_recorded &= recording.await;
+        }
         let ran: Vec<Vec<(Step, Ran)>> = ran.into_iter().flatten().collect();
-        let (mut report, outcomes) = match &first_part {
-            None => self.report(&plan, ran, claimed, lease, &|_| true),
-            Some(done) => self.report(&plan, ran, claimed, lease, &|a| !done.contains(&a)),
-        };
+        let (mut report, mut outcomes) =
+            self.report(&plan, ran, claimed, lease, &|a| !recorded.contains(&a));
+        if !parts_recorded {
+            // A part's record failed: its deliveries stay marked with this claim, which only
+            // its expiry gives back; recording the rest would end the claim first. Nothing
+            // more is recorded, and the claim's work is delivered again when it expires.
+            outcomes = Outcomes::default();
+        }
         report.retried_in_place = calls.retried_in_place.load(Ordering::Relaxed);
         (report, outcomes)
     }

@@ -397,13 +397,13 @@ impl<S: Store, R: Router> Relay<S, R> {
                     failures.reset();
                     // Recorded before the next claim, which may then take the later events of
                     // the aggregates it frees.
-                    if !report.lost {
-                        self.record_or_log(token, &outcomes, true).await;
-                        note_due(&mut next_due, &outcomes);
-                    }
+                    let recorded = !report.lost && self.record_or_log(token, &outcomes, true).await;
+                    note_due(&mut next_due, &outcomes);
                     let finish = async move {
                         let (report, outcomes) = rest.await;
-                        if !report.lost {
+                        // (Not after a part that could not be recorded: its deliveries stay
+                        // marked with the claim, which only its expiry gives back.)
+                        if recorded && !report.lost {
                             self.record_or_log(token, &outcomes, false).await;
                             let mut next_due = rests
                                 .next_due
@@ -737,23 +737,26 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Records outcomes; if that keeps failing, says so (the batch is delivered again once its
     /// claim expires, which at-least-once allows).
-    async fn record_or_log(&self, token: ClaimToken, outcomes: &Outcomes, part: bool) {
+    /// Whether they were recorded (or there was nothing to record).
+    async fn record_or_log(&self, token: ClaimToken, outcomes: &Outcomes, part: bool) -> bool {
         if outcomes.is_empty() {
-            return;
+            return true;
         }
-        if let Err(error) = self.record(token, outcomes, part).await {
+        let recorded = self.record(token, outcomes, part).await;
+        if let Err(error) = &recorded {
             tracing::error!(
                 %error,
                 claim = %token,
                 "outbox relay cannot record a batch; it will be delivered again when its claim expires"
             );
         }
+        matches!(recorded, Ok(Recorded::Applied))
     }
 
     /// Records outcomes, retrying a few times: the handlers already ran, and a lost record means
     /// delivering the batch again once its claim expires. A claim found lost is counted and
-    /// logged: its outcomes are dropped.
-    /// With `part`, the outcomes are of part of the batch ([`Store::record_part`]).
+    /// logged: its outcomes are dropped. With `part`, the outcomes are of part of the batch
+    /// ([`Store::record_part`]).
     async fn record(
         &self,
         token: ClaimToken,
