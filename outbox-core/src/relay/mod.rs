@@ -395,14 +395,15 @@ impl<S: Store, R: Router> Relay<S, R> {
                     rest,
                 }) => {
                     failures.reset();
-                    // Recorded before the next claim, which may then take the later events of
-                    // the aggregates it frees.
-                    let recorded = !report.lost && self.record_or_log(token, &outcomes, true).await;
-                    note_due(&mut next_due, &outcomes);
+                    // The rest runs on at once: a call of it may hold a transaction that locks
+                    // the claim (`Outbox::hold_claim`), which this part's record then waits
+                    // for. It records itself after this part.
+                    let (part_recorded, was_recorded) = tokio::sync::oneshot::channel();
                     let finish = async move {
                         let (report, outcomes) = rest.await;
                         // (Not after a part that could not be recorded: its deliveries stay
                         // marked with the claim, which only its expiry gives back.)
+                        let recorded = was_recorded.await.unwrap_or(false);
                         if recorded && !report.lost {
                             self.record_or_log(token, &outcomes, false).await;
                             let mut next_due = rests
@@ -415,6 +416,11 @@ impl<S: Store, R: Router> Relay<S, R> {
                     };
                     // (The receiver outlives this loop.)
                     let _ = to_finish.send(Box::pin(finish));
+                    // Recorded before the next claim, which may then take the later events of
+                    // the aggregates it frees.
+                    let recorded = !report.lost && self.record_or_log(token, &outcomes, true).await;
+                    note_due(&mut next_due, &outcomes);
+                    let _ = part_recorded.send(recorded);
                 }
                 // Events were set aside, or the batch just recorded may have held some back:
                 // look again at once.
@@ -493,6 +499,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             Arc::clone(permits),
             split,
         ));
+        let ahead_done = tokio::sync::Notify::new();
         let delivering = async {
             let split_off = async {
                 match first_part.as_mut() {
@@ -506,9 +513,28 @@ impl<S: Store, R: Router> Relay<S, R> {
                 Some(part) = split_off => Ok(part),
             };
             progress.over();
-            ended
+            let Ok(part) = ended else {
+                return ended;
+            };
+            // The rest runs on until the claim ahead is done: a call of it may hold a
+            // transaction that locks the claim (`Outbox::hold_claim`), which that claim may
+            // wait for.
+            tokio::select! {
+                biased;
+                (report, mut outcomes) = &mut running => {
+                    outcomes.events.extend(part.1.events);
+                    outcomes.deliveries.extend(part.1.deliveries);
+                    Err((report, outcomes))
+                }
+                () = ahead_done.notified() => Ok(part),
+            }
         };
-        let (ended, next) = tokio::join!(delivering, self.claim_ahead(&progress));
+        let claiming_ahead = async {
+            let next = self.claim_ahead(&progress).await;
+            ahead_done.notify_one();
+            next
+        };
+        let (ended, next) = tokio::join!(delivering, claiming_ahead);
         lookahead.next = next;
         Ok(match ended {
             Ok((report, outcomes)) => Claimed::Split {
