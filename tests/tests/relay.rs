@@ -1119,6 +1119,24 @@ async fn a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order<B: 
     assert_eq!(B::delivery_count(outbox.pool()).await, 0);
 }
 
+/// Publishes (aggregate, seq) pings in one transaction.
+async fn publish_pings<B: TestBackend>(outbox: &TestOutbox<B>, pings: &[(Uuid, u32)]) {
+    let events: Vec<Ping> = pings
+        .iter()
+        .map(|&(aggregate, seq)| Ping { aggregate, seq })
+        .collect();
+    publish(outbox, &events).await;
+}
+
+/// How many times `x` was called for `aggregate`.
+fn calls_for(probe: &Probe, aggregate: Uuid) -> usize {
+    probe
+        .calls_of("x")
+        .iter()
+        .filter(|(g, _, _)| *g == aggregate)
+        .count()
+}
+
 async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
@@ -1129,46 +1147,16 @@ async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<
         .with_retry(RetryPolicy::new([Duration::from_secs(3)]).unwrap())
         .with_retry_in_place(Duration::from_millis(3500));
     let relay = relay(&outbox, OnlyX::new(&probe), config);
-    publish(
-        &outbox,
-        &[
-            Ping {
-                aggregate: a,
-                seq: 1,
-            },
-            Ping {
-                aggregate: b,
-                seq: 1,
-            },
-        ],
-    )
-    .await;
+    publish_pings(&outbox, &[(a, 1), (b, 1)]).await;
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     wait_for(|| probe.calls_of("x").len() == 2).await;
     assert_eq!(probe.delivered_to("x"), [(b, 1)]);
 
     // While a waits, b's next event is claimed and delivered; a's waits behind a's first.
-    publish(
-        &outbox,
-        &[
-            Ping {
-                aggregate: b,
-                seq: 2,
-            },
-            Ping {
-                aggregate: a,
-                seq: 2,
-            },
-        ],
-    )
-    .await;
+    publish_pings(&outbox, &[(b, 2), (a, 2)]).await;
     wait_for(|| probe.delivered_to("x").contains(&(b, 2))).await;
     assert_eq!(
-        probe
-            .calls_of("x")
-            .iter()
-            .filter(|(g, _, _)| *g == a)
-            .count(),
+        calls_for(&probe, a),
         1,
         "b's second event waited for a's retry: {:?}",
         probe.calls_of("x")
@@ -1177,11 +1165,7 @@ async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<
     worker.abort();
     each_once_in_order(&probe, &[a, b], 2);
     assert_eq!(
-        probe
-            .calls_of("x")
-            .iter()
-            .filter(|(g, _, _)| *g == a)
-            .count(),
+        calls_for(&probe, a),
         3,
         "a: one failure, its retry, its second event"
     );
@@ -1198,49 +1182,15 @@ async fn aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait
         .with_retry(RetryPolicy::new([Duration::from_secs(1), Duration::from_secs(2)]).unwrap())
         .with_retry_in_place(Duration::from_millis(2500));
     let relay = relay(&outbox, OnlyX::new(&probe), config);
-    publish(
-        &outbox,
-        &[
-            Ping {
-                aggregate: a,
-                seq: 1,
-            },
-            Ping {
-                aggregate: b,
-                seq: 1,
-            },
-            Ping {
-                aggregate: c,
-                seq: 1,
-            },
-        ],
-    )
-    .await;
+    publish_pings(&outbox, &[(a, 1), (b, 1), (c, 1)]).await;
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     wait_for(|| probe.delivered_to("x").contains(&(c, 1))).await;
 
     // c is done while a still waits: c's next event is delivered before a's third attempt.
-    publish(
-        &outbox,
-        &[
-            Ping {
-                aggregate: c,
-                seq: 2,
-            },
-            Ping {
-                aggregate: a,
-                seq: 2,
-            },
-        ],
-    )
-    .await;
+    publish_pings(&outbox, &[(c, 2), (a, 2)]).await;
     wait_for(|| probe.delivered_to("x").contains(&(c, 2))).await;
     assert_eq!(
-        probe
-            .calls_of("x")
-            .iter()
-            .filter(|(g, _, _)| *g == a)
-            .count(),
+        calls_for(&probe, a),
         2,
         "c's second event waited for a's last retry: {:?}",
         probe.calls_of("x")
@@ -1259,14 +1209,7 @@ async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
     // b's event is a delivery of its own (a dead letter requeued), claimed with a's event.
     probe.fail("x", b, 1, [Fail::Permanent]);
-    publish(
-        &outbox,
-        &[Ping {
-            aggregate: b,
-            seq: 1,
-        }],
-    )
-    .await;
+    publish_pings(&outbox, &[(b, 1)]).await;
     relay(&outbox, OnlyX::new(&probe), config())
         .run_once()
         .await
@@ -1276,14 +1219,7 @@ async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_
     // a's first event waits for a retry in place: b's delivery is recorded first, as a part,
     // and that record fails (five tries: every try of the relay's).
     probe.fail("x", a, 1, [Fail::Transient]);
-    publish(
-        &outbox,
-        &[Ping {
-            aggregate: a,
-            seq: 1,
-        }],
-    )
-    .await;
+    publish_pings(&outbox, &[(a, 1)]).await;
     let store = WatchedStore::new(outbox.store()).losing_parts(5);
     let lost = store.lost_records.clone();
     let config = config()
