@@ -507,6 +507,26 @@ impl<S> WatchedStore<S> {
     }
 }
 
+impl<S> WatchedStore<S> {
+    /// Fails this record if `to_lose` says so (counting it down, and the records lost up).
+    fn lose_one(
+        &self,
+        to_lose: &std::sync::atomic::AtomicUsize,
+    ) -> Result<(), outbox_core::StoreError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if to_lose
+            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+            .is_ok()
+        {
+            self.lost_records.fetch_add(1, SeqCst);
+            return Err(outbox_core::StoreError::new(
+                "the record was lost (injected)",
+            ));
+        }
+        Ok(())
+    }
+}
+
 impl<S: Store> Store for WatchedStore<S> {
     async fn claim(
         &self,
@@ -552,17 +572,7 @@ impl<S: Store> Store for WatchedStore<S> {
         token: outbox_core::ClaimToken,
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        if self
-            .records_to_lose
-            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            self.lost_records.fetch_add(1, SeqCst);
-            return Err(outbox_core::StoreError::new(
-                "the record was lost (injected)",
-            ));
-        }
+        self.lose_one(&self.records_to_lose)?;
         self.inner.record(token, outcomes).await
     }
 
@@ -571,17 +581,7 @@ impl<S: Store> Store for WatchedStore<S> {
         token: outbox_core::ClaimToken,
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
-        use std::sync::atomic::Ordering::SeqCst;
-        if self
-            .parts_to_lose
-            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-            .is_ok()
-        {
-            self.lost_records.fetch_add(1, SeqCst);
-            return Err(outbox_core::StoreError::new(
-                "the record was lost (injected)",
-            ));
-        }
+        self.lose_one(&self.parts_to_lose)?;
         self.inner.record_part(token, outcomes).await
     }
 
