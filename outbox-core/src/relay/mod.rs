@@ -522,8 +522,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             tokio::select! {
                 biased;
                 (report, mut outcomes) = &mut running => {
-                    outcomes.events.extend(part.1.events);
-                    outcomes.deliveries.extend(part.1.deliveries);
+                    absorb(&mut outcomes, part.1);
                     Err((report, outcomes))
                 }
                 () = ahead_done.notified() => Ok(part),
@@ -546,8 +545,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             // (A part sent as the batch ended is recorded with the rest, at once.)
             Err((report, mut outcomes)) => {
                 if let Some(Ok((_, part))) = first_part.map(|mut part| part.try_recv()) {
-                    outcomes.events.extend(part.events);
-                    outcomes.deliveries.extend(part.deliveries);
+                    absorb(&mut outcomes, part);
                 }
                 Claimed::Delivered(token, report, outcomes)
             }
@@ -826,6 +824,12 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         }
     }
+}
+
+/// Adds the outcomes of a batch's first part to those of its rest, to be recorded whole.
+fn absorb(outcomes: &mut Outcomes, part: Outcomes) {
+    outcomes.events.extend(part.events);
+    outcomes.deliveries.extend(part.deliveries);
 }
 
 /// Brings `next_due` forward to when the earliest retry or parked event of `outcomes`, just
