@@ -14,7 +14,8 @@
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
 //! `--pressure-minutes N` (5),
 //! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`,
-//! `transactional`, `nats` and the tuned `drain`; the defaults otherwise).
+//! `transactional`, `nats` and the tuned `drain`; the defaults otherwise), `--raw-batch N` (500:
+//! how many events a cycle of the raw loop claims in `drain`).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
 //! alternate in half-second slices on one database (producer, drain), or probe by probe
 //! (sustained), so that the machine's noise falls on both alike.
@@ -93,6 +94,7 @@ struct Options {
     pressure_minutes: u64,
     batch: Option<u32>,
     concurrency: Option<usize>,
+    raw_batch: i64,
 }
 
 impl Options {
@@ -120,6 +122,7 @@ fn options() -> Options {
         pressure_minutes: 5,
         batch: None,
         concurrency: None,
+        raw_batch: RAW_BATCH,
     };
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -138,6 +141,7 @@ fn options() -> Options {
             "--pressure-minutes" => options.pressure_minutes = number("--pressure-minutes"),
             "--batch" => options.batch = Some(number("--batch") as u32),
             "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
+            "--raw-batch" => options.raw_batch = number("--raw-batch") as i64,
             scenario if !scenario.starts_with('-') => options.scenarios.push(scenario.to_owned()),
             other => panic!("unknown option {other}"),
         }
@@ -439,7 +443,7 @@ impl<S: Store> Store for Counting<S> {
 /// ours (the relay's own loop, `Relay::run`), the raw loop, and the raw loop with asynchronous
 /// commit (as our relay commits). Returns events per second of each, and our relay's commits
 /// per 100 events.
-async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
+async fn drain(events: u64, config: RelayConfig, raw_batch: i64) -> ([f64; 3], f64) {
     let (_db, outbox, _) = setup(10_000).await;
     let pool = outbox.pool().clone();
     prefill(&pool, events).await;
@@ -470,7 +474,7 @@ async fn drain(events: u64, config: RelayConfig) -> ([f64; 3], f64) {
             tokio::spawn(async move {
                 let mut delivered = 0;
                 while start.elapsed() < SLICE {
-                    let n = raw_batch(&pool, asynchronous).await;
+                    let n = raw_cycle(&pool, raw_batch, asynchronous, async |_| {}).await;
                     if n == 0 {
                         break;
                     }
@@ -532,15 +536,14 @@ where
     .unwrap()
 }
 
-/// One cycle of the raw drain: claim 500 with `SKIP LOCKED`, mark them published, commit.
-async fn raw_batch(pool: &PgPool, asynchronous: bool) -> u64 {
-    raw_cycle(pool, asynchronous, async |_| {}).await
-}
+/// How many events a raw cycle claims, unless the drain is given `--raw-batch`.
+const RAW_BATCH: i64 = 500;
 
-/// One raw cycle: claim 500 with `SKIP LOCKED`, hand them to `work`, mark them published,
+/// One raw cycle: claim `limit` with `SKIP LOCKED`, hand them to `work`, mark them published,
 /// commit; returns how many it claimed.
 async fn raw_cycle(
     pool: &PgPool,
+    limit: i64,
     asynchronous: bool,
     work: impl AsyncFnOnce(&[(i64, String)]),
 ) -> u64 {
@@ -553,8 +556,9 @@ async fn raw_cycle(
     }
     let rows: Vec<(i64, String)> = sqlx::query_as(
         "SELECT id, payload::text FROM events.outbox
-         WHERE published_at IS NULL ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED",
+         WHERE published_at IS NULL ORDER BY id LIMIT $1 FOR UPDATE SKIP LOCKED",
     )
+    .bind(limit)
     .fetch_all(&mut *tx)
     .await
     .unwrap();
@@ -639,7 +643,7 @@ fn spawn_producers(
 /// nothing, wait for the poll interval.
 async fn raw_relay(pool: PgPool, meter: Meter, stop: Arc<AtomicBool>, poll: Duration) {
     while !stop.load(Ordering::Relaxed) {
-        let delivered = raw_batch(&pool, false).await;
+        let delivered = raw_cycle(&pool, RAW_BATCH, false, async |_| {}).await;
         if delivered == 0 {
             tokio::time::sleep(poll).await;
         }
@@ -948,7 +952,8 @@ async fn main() {
                 let (mut ours, mut raw, mut raw_async, mut ours_commits) =
                     (Vec::new(), Vec::new(), Vec::new(), Vec::new());
                 for _ in 0..options.runs {
-                    let ([o, r, a], commits) = drain(options.events, options.config()).await;
+                    let ([o, r, a], commits) =
+                        drain(options.events, options.config(), options.raw_batch).await;
                     ours.push(o);
                     raw.push(r);
                     raw_async.push(a);
@@ -956,9 +961,10 @@ async fn main() {
                 }
                 report(
                     &format!(
-                        "(b) drain {} events, batch {}",
+                        "(b) drain {} events, batch {} (raw {})",
                         options.events,
-                        options.config().batch_size()
+                        options.config().batch_size(),
+                        options.raw_batch
                     ),
                     "events/s",
                     &ours,

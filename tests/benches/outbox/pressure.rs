@@ -13,7 +13,8 @@ use outbox_core::RelayConfig;
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{
-    Meter, percentile, raw_cycle, setup, spawn_producers, spawn_relay, vacuum_as_autovacuum_would,
+    Meter, RAW_BATCH, percentile, raw_cycle, setup, spawn_producers, spawn_relay,
+    vacuum_as_autovacuum_would,
 };
 
 /// A measurement window.
@@ -155,7 +156,7 @@ async fn report_tables(pool: &PgPool, when: &str) {
 /// The raw loop, measuring commit-to-handler latency from the payloads it claims.
 async fn raw_relay(pool: PgPool, meter: Meter, stop: Arc<AtomicBool>) {
     while !stop.load(Ordering::Relaxed) {
-        let delivered = raw_cycle(&pool, false, async |rows: &[(i64, String)]| {
+        let delivered = raw_cycle(&pool, RAW_BATCH, false, async |rows: &[(i64, String)]| {
             let mut committed = meter.committed_at.lock().unwrap();
             let mut latencies = meter.latencies.lock().unwrap();
             for (_, payload) in rows {

@@ -16,7 +16,7 @@ use outbox_core::{
 use outbox_sqlx::Outbox;
 use sqlx::{PgPool, Postgres};
 
-use super::{Deposited, median, prefill, raw_cycle, setup};
+use super::{Deposited, RAW_BATCH, median, prefill, raw_cycle, setup};
 
 /// What each handler does: fail with a given chance, wait, insert an audit row.
 #[derive(Clone, Default)]
@@ -368,7 +368,7 @@ async fn raw_writes(events: u64, concurrency: usize) -> f64 {
     let mut done = 0;
     while done < events {
         let pool = &pool;
-        done += raw_cycle(pool, false, async |rows| {
+        done += raw_cycle(pool, RAW_BATCH, false, async |rows| {
             futures_util::stream::iter(rows)
                 .for_each_concurrent(concurrency, |(id, payload)| async move {
                     let event: serde_json::Value = serde_json::from_str(payload).unwrap();
