@@ -599,9 +599,11 @@ expired_events AS (
     WHERE id = ANY(ARRAY(SELECT g.id FROM gone_events AS g)) AND published_at IS NULL
 ),
 expired_deliveries AS (
-    -- Not due in this statement (their claim is set in its snapshot): the next claim sees them.
+    -- Not due in this statement (their claim is set in its snapshot): the next claim sees them
+    -- (counted in the last row, so that the relay asks again at once).
     UPDATE {deliveries} SET claim_id = NULL, expired_claims = expired_claims + 1
     WHERE claim_id = ANY(ARRAY(SELECT g.id FROM gone AS g))
+    RETURNING 1
 ),
 ended AS (
     -- Claims that events were set aside behind, and that are over: recorded, or expired now.
@@ -611,9 +613,11 @@ ended AS (
     RETURNING h.claim_id
 ),
 released AS (
-    -- Their events are pending again; the next claim takes them or sets them aside anew.
+    -- Their events are pending again; the next claim takes them or sets them aside anew (as
+    -- above, counted in the last row).
     UPDATE {outbox} SET held_by = NULL
     WHERE held_by = ANY(ARRAY(SELECT e.claim_id FROM ended AS e))
+    RETURNING 1
 ),
 active AS MATERIALIZED (
     -- The events of the live claims, with their aggregates (each claim's arrays are in step).
@@ -849,7 +853,9 @@ SELECT * FROM claimed_events
 UNION ALL
 SELECT * FROM claimed_deliveries
 UNION ALL
--- The last row says how many events were set aside (the id is NULL), the lowest claim live
+-- The last row says how many events and deliveries were set aside or freed for the next
+-- claim (which finds work this one could not see: the relay asks again at once; the id is
+-- NULL), the lowest claim live
 -- after this one (NULL: none), the version of the relay registry this claim saw, and what the
 -- event floor needs (`EventFloor`): the releases count, this claim's bound, its snapshot's
 -- xmin and xmax.
@@ -857,7 +863,8 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
        least((SELECT min(c.id) FROM {claims} AS c
               WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))),
              (SELECT id FROM claim)),
-       (SELECT count(*) FROM marked)::int4, NULL,
+       ((SELECT count(*) FROM marked) + (SELECT count(*) FROM released)
+        + (SELECT count(*) FROM expired_deliveries))::int4, NULL,
        (SELECT coalesce(string_agg(r.generation::text, ',' ORDER BY r.generation), '')
         FROM {relays} AS r),
        ARRAY[
@@ -1165,7 +1172,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .await?;
         tx.commit().await?;
         let mut token = None;
-        let mut set_aside = 0;
+        // Events and deliveries set aside or freed: the next claim may find work.
+        let mut for_next = 0;
         let mut registry = None;
         let mut floor = None;
         let mut seen = Vec::new();
@@ -1174,10 +1182,11 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             token = token.or(row.try_get::<Option<i64>, _>(0)?);
             match row.try_get::<Option<i64>, _>(1)? {
                 Some(_) => claims.push(claim_from_row(row)?),
-                // The last row: how many events were set aside, the registry's version.
+                // The last row: how many events and deliveries were set aside or freed, the
+                // registry's version.
                 None => {
                     floor = row.try_get::<Option<i64>, _>(6)?;
-                    set_aside = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0);
+                    for_next = row.try_get::<Option<i32>, _>(7)?.unwrap_or(0);
                     registry = row.try_get::<Option<String>, _>(9)?;
                     seen = row.try_get::<Vec<Option<String>>, _>(10)?;
                 }
@@ -1202,12 +1211,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         }
         let Some(token) = token.filter(|_| !claims.is_empty()) else {
             return Ok(Batch::empty()
-                .with_more(set_aside > 0)
+                .with_more(for_next > 0)
                 .with_registry(registry));
         };
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(Batch::new(ClaimToken::new(token), claims)
-            .with_more(set_aside > 0)
+            .with_more(for_next > 0)
             .with_registry(registry))
     }
 

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use outbox_core::store::{DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Recorded};
 use outbox_core::telemetry;
 use outbox_core::{
     ClaimToken, Delivery, Handle, HandlerError, Relay, RelayConfig, RetryPolicy, Router, Store,
@@ -31,6 +32,8 @@ on_every_backend!(
     a_redelivery_after_an_expired_claim_says_so,
     a_batch_that_outlasts_its_lease_keeps_its_claim_by_renewing_it,
     a_handler_fencing_its_writes_with_the_claim_token_writes_nothing_once_the_claim_is_lost,
+    a_claim_that_frees_events_set_aside_behind_an_ended_claim_says_there_is_more,
+    a_claim_that_frees_the_deliveries_of_an_expired_claim_says_there_is_more,
 );
 
 const BATCH: u32 = 10;
@@ -886,4 +889,92 @@ mod memory {
      {
         paused_past_lease(Fail::Permanent).await;
     }
+}
+
+/// An event set aside behind a claim that lasted (a slow batch) is freed by the first claim
+/// after that claim ends, and taken by the claim after it. The claim that frees it must say that
+/// there is more: a relay that found nothing and heard "no more" waits for its poll interval
+/// (seconds) before it looks again, though the event is ready now.
+async fn a_claim_that_frees_events_set_aside_behind_an_ended_claim_says_there_is_more<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = outbox::<B, PingPong>().await;
+    let store = outbox.store();
+    let (lease, filter) = (Duration::from_secs(30), Default::default());
+    let aggregate = Uuid::new_v4();
+    publish(&outbox, aggregate, 1..2).await;
+    let slow = store.claim(BATCH, lease, &filter).await.unwrap();
+    assert_eq!(slow.claims.len(), 1, "{slow:?}");
+    // Older than a young claim (a second at most), whose aggregates' later events are only
+    // skipped, not set aside.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    publish(&outbox, aggregate, 2..3).await;
+    let behind = store.claim(BATCH, lease, &filter).await.unwrap();
+    assert!(behind.is_empty() && behind.more, "set aside: {behind:?}");
+
+    let published = Outcomes {
+        events: vec![(slow.claims[0].event_id(), EventOutcome::Published)],
+        deliveries: Vec::new(),
+    };
+    let recorded = store.record(slow.token, &published).await.unwrap();
+    assert_eq!(recorded, Recorded::Applied);
+    let batch = claim_what_was_freed(&store).await;
+    let ids: Vec<_> = batch.claims.iter().map(|c| c.event_id()).collect();
+    assert!(
+        ids.len() == 1 && ids[0] > slow.claims[0].event_id(),
+        "the event set aside: {batch:?}"
+    );
+}
+
+/// Claims until a batch is not empty, each empty one saying that there is more (at most two).
+async fn claim_what_was_freed<S: Store>(store: &S) -> outbox_core::store::Batch {
+    for claim in 1..=3 {
+        let batch = store
+            .claim(BATCH, Duration::from_secs(30), &Default::default())
+            .await
+            .unwrap();
+        if !batch.is_empty() {
+            return batch;
+        }
+        assert!(
+            batch.more && claim < 3,
+            "claim {claim} after the claim ended found nothing, more: {}",
+            batch.more
+        );
+    }
+    unreachable!("the loop returns or fails")
+}
+
+/// The deliveries of a claim that expired are freed by the claim that ends it, and taken by
+/// the claim after it: the claim that frees them says that there is more.
+async fn a_claim_that_frees_the_deliveries_of_an_expired_claim_says_there_is_more<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = outbox::<B, PingPong>().await;
+    let store = outbox.store();
+    let (lease, filter) = (Duration::from_secs(30), Default::default());
+    publish(&outbox, Uuid::new_v4(), 1..2).await;
+    let first = store.claim(BATCH, lease, &filter).await.unwrap();
+    let event = first.claims[0].event().unwrap().clone();
+    // Published, with x's delivery left to wait (due at once) as a row of its own.
+    let outcomes = Outcomes {
+        events: vec![(event.id, EventOutcome::Published)],
+        deliveries: vec![DeliveryRecord {
+            event_id: event.id,
+            aggregate_type: event.aggregate_type.clone(),
+            aggregate_id: event.aggregate_id,
+            subscriber: "x".to_owned(),
+            outcome: DeliveryOutcome::Waiting,
+        }],
+    };
+    let recorded = store.record(first.token, &outcomes).await.unwrap();
+    assert_eq!(recorded, Recorded::Applied);
+    let lost = store.claim(BATCH, lease, &filter).await.unwrap();
+    assert_eq!(lost.claims.len(), 1, "x's delivery: {lost:?}");
+    // The relay that claimed it died: its claim expired.
+    B::expire_claims(outbox.pool()).await;
+
+    let batch = claim_what_was_freed(&store).await;
+    assert_eq!(batch.claims.len(), 1, "x's delivery again: {batch:?}");
+    assert_eq!(batch.claims[0].event_id(), event.id, "{batch:?}");
 }
