@@ -919,7 +919,11 @@ async fn a_claim_that_frees_events_set_aside_behind_an_ended_claim_says_there_is
     let recorded = store.record(slow.token, &published).await.unwrap();
     assert_eq!(recorded, Recorded::Applied);
     let batch = claim_what_was_freed(&store).await;
-    let ids: Vec<_> = batch.claims.iter().map(|c| c.event_id()).collect();
+    let ids: Vec<_> = batch
+        .claims
+        .iter()
+        .map(outbox_core::store::Claim::event_id)
+        .collect();
     assert!(
         ids.len() == 1 && ids[0] > slow.claims[0].event_id(),
         "the event set aside: {batch:?}"
