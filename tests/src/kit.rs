@@ -461,6 +461,8 @@ pub struct WatchedStore<S> {
     pub claimed_while_busy: Arc<std::sync::atomic::AtomicUsize>,
     /// Notified each time such a claim returns.
     pub claimed_ahead: Arc<tokio::sync::Notify>,
+    /// Each claim that found work: (events asked for, claimed events and deliveries).
+    pub claims: Arc<Mutex<Vec<(u32, usize)>>>,
 }
 
 impl<S> WatchedStore<S> {
@@ -477,6 +479,7 @@ impl<S> WatchedStore<S> {
             busy: Arc::default(),
             claimed_while_busy: Arc::default(),
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
+            claims: Arc::default(),
         }
     }
 
@@ -537,6 +540,12 @@ impl<S: Store> Store for WatchedStore<S> {
         use std::sync::atomic::Ordering::SeqCst;
         let busy = self.busy.load(SeqCst) > 0;
         let batch = self.inner.claim(limit, lease, filter).await?;
+        if !batch.is_empty() {
+            self.claims
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push((limit, batch.claims.len()));
+        }
         if batch.is_empty() {
             self.idle.notify_one();
         } else if busy {

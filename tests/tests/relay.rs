@@ -43,6 +43,7 @@ on_every_backend!(
     a_commit_in_this_process_wakes_an_idle_relay,
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
+    a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1464,6 +1465,34 @@ async fn slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end<B
     );
     // The batch claimed ahead left out the aggregates of the batch still running.
     each_once_in_order(&probe, &aggregates, 3);
+}
+
+/// A relay whose handlers are slower than its claims asks for a quarter of its batch: the
+/// claims overlap the handlers anyway, and a smaller batch ends sooner.
+async fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    // 40 calls of 10 ms in the first batch: far longer than any claim.
+    let aggregates = publish_rounds(&outbox, &probe, 100, 1, ms(10)).await;
+    let store = WatchedStore::new(outbox.store());
+    let claims = store.claims.clone();
+    let slow = config().with_batch_size(40).with_concurrency(1);
+    let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 100).await;
+    worker.abort();
+    let claims = claims.lock().unwrap().clone();
+    assert!(claims.len() >= 2, "{claims:?}");
+    assert_eq!(
+        claims[0],
+        (40, 40),
+        "the first claim knows nothing of the handlers"
+    );
+    assert_eq!(
+        claims[1].0, 10,
+        "asked for after a batch of slow calls: {claims:?}"
+    );
+    each_once_in_order(&probe, &aggregates, 1);
 }
 
 async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {

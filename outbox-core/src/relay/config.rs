@@ -42,7 +42,7 @@ impl Default for RelayConfig {
     fn default() -> Self {
         Self {
             poll_interval: Duration::from_secs(2),
-            batch_size: 500,
+            batch_size: 2000,
             concurrency: DEFAULT_CONCURRENCY,
             lease: Duration::from_secs(8),
             handler_timeout: Duration::from_secs(3),
@@ -65,13 +65,19 @@ impl RelayConfig {
         self
     }
 
-    /// How many events (and as many pending deliveries) one batch claims at most (default 500, at
-    /// most 10 000).
+    /// How many events (and as many pending deliveries) one batch claims at most (default 2000,
+    /// at most 10 000).
     ///
     /// A claim takes what is there up to this many, so a large batch costs nothing when little
     /// waits; it pays when a backlog builds: one claim and one record per batch, and more
-    /// (subscriber, aggregate) keys whose handlers can run at once. The seed's 50 drains a backlog
-    /// at about a third of the rate of 500 on PostgreSQL (see the README's benchmark).
+    /// (subscriber, aggregate) keys whose handlers can run at once. While the handlers are what
+    /// the relay waits for (its last batch's calls took longer than its claim), it claims a
+    /// quarter of this (at least one): the claims then overlap the handlers, and a smaller batch
+    /// ends sooner and holds fewer aggregates back from the claim ahead of it. So it does after
+    /// a batch with failures or retries: a failed call makes the later events of its key in the
+    /// batch delivery rows of their own, more of them in a larger batch. The seed's 50
+    /// drains a backlog at about a third of the rate of 500 on PostgreSQL, and 500 at about
+    /// three quarters of the rate of 2000 (see the README's benchmark).
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;
@@ -210,6 +216,17 @@ impl RelayConfig {
     /// The batch size.
     pub fn batch_size(&self) -> u32 {
         self.batch_size
+    }
+
+    /// How many events a claim asks for: the batch size, or a quarter of it (at least one)
+    /// when the relay should claim `less` (its handlers are what it waits for, or its last
+    /// batch met failures).
+    pub(super) fn claim_size(&self, less: bool) -> u32 {
+        if less {
+            (self.batch_size / 4).max(1)
+        } else {
+            self.batch_size
+        }
     }
 
     /// The most handler calls run at once.

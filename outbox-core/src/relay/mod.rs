@@ -186,6 +186,11 @@ struct Lookahead {
     on: bool,
     /// How long the last claim took.
     claim_takes: Option<Duration>,
+    /// Whether the next claims ask for less ([`RelayConfig::claim_size`]): the last batch's
+    /// calls took longer than its claim (the handlers, not the store, are what the relay waits
+    /// for), or it had deliveries to record (retries, failures: each failure makes the later
+    /// events of its key in the batch rows of their own).
+    claim_less: bool,
     /// The next batch, claimed while the last one ran.
     next: Option<Ahead>,
 }
@@ -472,7 +477,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             None => {
                 let sent = Instant::now();
-                let batch = self.claim().await?;
+                let batch = self
+                    .claim(self.config.claim_size(lookahead.claim_less))
+                    .await?;
                 if batch.is_empty() {
                     return Ok(Claimed::Nothing { more: batch.more });
                 }
@@ -500,6 +507,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             split,
         ));
         let ahead_done = tokio::sync::Notify::new();
+        let started = Instant::now();
+        let mut calls_took = Duration::ZERO;
         let delivering = async {
             let split_off = async {
                 match first_part.as_mut() {
@@ -512,6 +521,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 whole = &mut running => Err(whole),
                 Some(part) = split_off => Ok(part),
             };
+            calls_took = started.elapsed();
             progress.over();
             let Ok(part) = ended else {
                 return ended;
@@ -535,18 +545,24 @@ impl<S: Store, R: Router> Relay<S, R> {
         };
         let (ended, next) = tokio::join!(delivering, claiming_ahead);
         lookahead.next = next;
+        let slow_calls = lookahead.claim_takes.is_some_and(|c| calls_took > c);
         Ok(match ended {
-            Ok((report, outcomes)) => Claimed::Split {
-                token,
-                report,
-                outcomes,
-                rest: running,
-            },
+            Ok((report, outcomes)) => {
+                // (Split: keys wait for their retries in place.)
+                lookahead.claim_less = true;
+                Claimed::Split {
+                    token,
+                    report,
+                    outcomes,
+                    rest: running,
+                }
+            }
             // (A part sent as the batch ended is recorded with the rest, at once.)
             Err((report, mut outcomes)) => {
                 if let Some(Ok((_, part))) = first_part.map(|mut part| part.try_recv()) {
                     absorb(&mut outcomes, part);
                 }
+                lookahead.claim_less = slow_calls || !outcomes.deliveries.is_empty();
                 Claimed::Delivered(token, report, outcomes)
             }
         })
@@ -559,7 +575,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             return None;
         }
         let sent = Instant::now();
-        let batch = match self.claim().await {
+        // (Only made when the handlers are slower than a claim.)
+        let batch = match self.claim(self.config.claim_size(true)).await {
             Ok(batch) if !batch.is_empty() => batch,
             Ok(_) => return None,
             Err(error) => {
@@ -705,12 +722,12 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Claims a batch, leaving to relays of other builds what only they route. The registry
     /// is read first when its heartbeat is due, and again when the claim saw it change, so
     /// that the batch is fanned out to the subscribers of every build registered before it.
-    async fn claim(&self) -> Result<Batch, StoreError> {
+    async fn claim(&self, size: u32) -> Result<Batch, StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
         let others = self.builds.others();
         let batch = self
             .store
-            .claim(self.config.batch_size, self.config.lease, others.filter())
+            .claim(size, self.config.lease, others.filter())
             .await?;
         if self.builds.is_stale(batch.registry.as_ref()) {
             self.builds.renew(&self.store, &self.router).await?;
@@ -863,11 +880,20 @@ mod tests {
     use crate::RetryPolicy;
 
     #[test]
+    fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_the_batch() {
+        let config = RelayConfig::default();
+        assert_eq!(config.claim_size(false), 2000);
+        assert_eq!(config.claim_size(true), 500);
+        let small = RelayConfig::default().with_batch_size(3);
+        assert_eq!((small.claim_size(false), small.claim_size(true)), (3, 1));
+    }
+
+    #[test]
     fn the_defaults_are_valid_and_the_seeds_but_the_batch() {
         let config = RelayConfig::default();
         config.validate().unwrap();
         assert_eq!(config.poll_interval(), Duration::from_secs(2));
-        assert_eq!(config.batch_size(), 500);
+        assert_eq!(config.batch_size(), 2000);
         assert_eq!(config.concurrency(), 32);
         assert_eq!(config.retention(), Some(&Retention::default()));
         assert_eq!(
