@@ -11,9 +11,10 @@
 //!   its transaction commits: a transaction that inserts first and commits last leaves its event
 //!   behind later ids. Nothing here reads by a high-water mark: the claim scans every pending
 //!   event in id order each time, so a late commit is found by the next claim after it. Within
-//!   an aggregate, id order is commit order: a publishing transaction first locks (`FOR UPDATE`)
-//!   the row of `<table>_aggregate_locks` its aggregate hashes to, until it commits, so a second
-//!   transaction publishing for that aggregate takes its id only after the first committed.
+//!   an aggregate, id order is commit order: a publishing transaction first locks (an `UPDATE`
+//!   that changes nothing) the row of `<table>_aggregate_locks` its aggregate hashes to, until
+//!   it commits, so a second transaction publishing for that aggregate takes its id only after
+//!   the first committed.
 //!   These are row locks, which every isolation level takes alike: the user's transaction may
 //!   run at InnoDB's default REPEATABLE READ (its snapshot plays no part in publishing).
 //! - **One claimer at a time.** Claims, skips, requeues and the records that write deliveries
@@ -286,7 +287,7 @@ impl Backend for MySql {
             )),
             now: sql("SELECT UTC_TIMESTAMP(6)".to_owned()),
             lock_aggregate: sql(format!(
-                "SELECT slot FROM {aggregate_locks} WHERE slot = ? FOR UPDATE"
+                "UPDATE {aggregate_locks} SET slot = slot WHERE slot = ?"
             )),
             outbox: outbox.clone(),
             aggregate_locks: aggregate_locks.clone(),
@@ -719,10 +720,15 @@ LIMIT ?"#
         events: &[NewEvent],
     ) -> Result<(), sqlx::Error> {
         // The aggregates' rows first, in one order (two transactions locking the same rows
-        // never wait for each other crosswise within one publish), then the insert. (One
-        // `INSERT ... SELECT ... FOR UPDATE` would save a round trip, but under MariaDB's
-        // default `innodb_autoinc_lock_mode = 1` it takes the table's auto-increment lock for
-        // the statement: measured, publishing got slower, 895 us against 340 us per insert.)
+        // never wait for each other crosswise within one publish), then the insert. The lock
+        // is an `UPDATE` that changes nothing: it takes the rows' exclusive locks as
+        // `SELECT ... FOR UPDATE` does, and sends no result set back (measured, the producer
+        // went from 0.80 to 0.85 of raw inserts' commits/s). Tried and slower: one
+        // `INSERT ... SELECT ... FOR UPDATE` (under MariaDB's default
+        // `innodb_autoinc_lock_mode = 1` it takes the table's auto-increment lock for the
+        // statement: 895 us against 340 us per insert), and the lock and the insert sent as
+        // one text query with the values as literals (0.78: the server parses the insert
+        // each time, which costs more than the round trip it saves).
         let slots: BTreeSet<i16> = events
             .iter()
             .map(|e| aggregate_slot(e.aggregate_id))
@@ -730,18 +736,18 @@ LIMIT ?"#
         if let [slot] = slots.iter().copied().collect::<Vec<_>>()[..] {
             sqlx::query(queries.lock_aggregate.clone())
                 .bind(slot)
-                .fetch_all(&mut *conn)
+                .execute(&mut *conn)
                 .await?;
         } else {
             let mut lock = sqlx::query(sql(format!(
-                "SELECT slot FROM {} WHERE slot IN ({}) ORDER BY slot FOR UPDATE",
+                "UPDATE {} SET slot = slot WHERE slot IN ({}) ORDER BY slot",
                 queries.aggregate_locks,
                 placeholders(slots.len(), "?")
             )));
             for slot in &slots {
                 lock = lock.bind(*slot);
             }
-            lock.fetch_all(&mut *conn).await?;
+            lock.execute(&mut *conn).await?;
         }
 
         if let [event] = events {

@@ -151,14 +151,14 @@ async fn a_publisher_waiting_for_its_aggregate_holds_no_other_aggregate_back() {
     );
 }
 
-/// Waits until a session on the test database is in its aggregate's lock statement (the server
+/// Waits until a session on the test database waits in its aggregate's lock statement (the server
 /// shows a wait there as the statement's "Statistics" state, not always in `innodb_trx`).
 async fn wait_for_lock_wait(db: &TestMyDb) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
         let waiting: i64 = sqlx::query_scalar(
             "SELECT count(*) FROM information_schema.processlist
-             WHERE db = ? AND info LIKE '%aggregate_locks%FOR UPDATE%'",
+             WHERE db = ? AND info LIKE 'UPDATE %aggregate_locks%'",
         )
         .bind(db.name())
         .fetch_one(&db.pool)
