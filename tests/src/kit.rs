@@ -463,6 +463,13 @@ pub struct WatchedStore<S> {
     pub claimed_ahead: Arc<tokio::sync::Notify>,
     /// Each claim that found work: (events asked for, claimed events and deliveries).
     pub claims: Arc<Mutex<Vec<(u32, usize)>>>,
+    /// How long each record waits before it records (see [`slow_records`](Self::slow_records)).
+    record_delay: Duration,
+    /// The records in flight.
+    recording: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many claims started while handler calls ran and a record was in flight: claims
+    /// made ahead of a batch before the record of the batch before it ended.
+    pub claimed_while_recording: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl<S> WatchedStore<S> {
@@ -480,7 +487,17 @@ impl<S> WatchedStore<S> {
             claimed_while_busy: Arc::default(),
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
             claims: Arc::default(),
+            record_delay: Duration::ZERO,
+            recording: Arc::default(),
+            claimed_while_recording: Arc::default(),
         }
+    }
+
+    /// Makes every record (whole or of a part) wait `delay` before it records.
+    #[must_use]
+    pub fn slow_records(mut self, delay: Duration) -> Self {
+        self.record_delay = delay;
+        self
     }
 
     /// Counts the claims that start while `busy` (a [`Probe`]'s running calls) is not zero
@@ -528,6 +545,18 @@ impl<S> WatchedStore<S> {
         }
         Ok(())
     }
+
+    /// Runs `record`, counted among the records in flight, after the record delay.
+    async fn recording<T>(&self, record: impl Future<Output = T>) -> T {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.recording.fetch_add(1, SeqCst);
+        if !self.record_delay.is_zero() {
+            tokio::time::sleep(self.record_delay).await;
+        }
+        let recorded = record.await;
+        self.recording.fetch_sub(1, SeqCst);
+        recorded
+    }
 }
 
 impl<S: Store> Store for WatchedStore<S> {
@@ -539,6 +568,9 @@ impl<S: Store> Store for WatchedStore<S> {
     ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
         use std::sync::atomic::Ordering::SeqCst;
         let busy = self.busy.load(SeqCst) > 0;
+        if busy && self.recording.load(SeqCst) > 0 {
+            self.claimed_while_recording.fetch_add(1, SeqCst);
+        }
         let batch = self.inner.claim(limit, lease, filter).await?;
         if !batch.is_empty() {
             self.claims
@@ -582,7 +614,7 @@ impl<S: Store> Store for WatchedStore<S> {
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
         self.lose_one(&self.records_to_lose)?;
-        self.inner.record(token, outcomes).await
+        self.recording(self.inner.record(token, outcomes)).await
     }
 
     async fn record_part(
@@ -591,7 +623,8 @@ impl<S: Store> Store for WatchedStore<S> {
         outcomes: &outbox_core::store::Outcomes,
     ) -> Result<outbox_core::store::Recorded, outbox_core::StoreError> {
         self.lose_one(&self.parts_to_lose)?;
-        self.inner.record_part(token, outcomes).await
+        self.recording(self.inner.record_part(token, outcomes))
+            .await
     }
 
     fn records_parts(&self) -> bool {

@@ -44,6 +44,7 @@ on_every_backend!(
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
+    a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1493,6 +1494,37 @@ async fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch<B: TestBa
         "asked for after a batch of slow calls: {claims:?}"
     );
     each_once_in_order(&probe, &aggregates, 1);
+}
+
+/// The claim made ahead of a batch waits for the record of the batch before it, which runs
+/// while the batch does: until then that batch's aggregates are held by its claim, and a claim
+/// would pass over their later events (or, when they are all there is, find nothing and leave
+/// the next claim to after the batch).
+async fn a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
+    // Records that outlast a batch (about 100 ms): a claim ahead that did not wait for the
+    // record before it would start while it runs.
+    let store = store.slow_records(ms(150));
+    let (ahead, racing) = (
+        store.claimed_while_busy.clone(),
+        store.claimed_while_recording.clone(),
+    );
+    let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 300).await;
+    worker.abort();
+    let (ahead, racing) = (
+        ahead.load(std::sync::atomic::Ordering::SeqCst),
+        racing.load(std::sync::atomic::Ordering::SeqCst),
+    );
+    assert!(ahead > 0, "no batch was claimed while a handler ran");
+    assert_eq!(
+        racing, 0,
+        "claims made ahead while the record of the batch before ran ({ahead} claimed ahead)"
+    );
+    each_once_in_order(&probe, &aggregates, 3);
 }
 
 async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {

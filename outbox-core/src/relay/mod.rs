@@ -363,11 +363,18 @@ impl<S: Store, R: Router> Relay<S, R> {
                 return;
             }
             let recording = unrecorded.is_some();
-            let next = self.claim_and_deliver(&mut lookahead, permits, parts);
+            // The last batch is recorded while the next one is claimed and delivered; a claim
+            // ahead of that one waits for the record (`recorded`).
+            let (record_done, recorded) = tokio::sync::watch::channel(!recording);
+            let next = self.claim_and_deliver(&mut lookahead, permits, parts, recorded);
             let claimed = match unrecorded.take() {
                 None => next.await,
                 Some((token, outcomes)) => {
-                    let claimed = tokio::join!(self.record_or_log(token, &outcomes, false), next).1;
+                    let record = async {
+                        self.record_or_log(token, &outcomes, false).await;
+                        record_done.send_replace(true);
+                    };
+                    let claimed = tokio::join!(record, next).1;
                     note_due(&mut next_due, &outcomes);
                     claimed
                 }
@@ -461,14 +468,15 @@ impl<S: Store, R: Router> Relay<S, R> {
 
     /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
     /// While it runs, the next batch is claimed ahead if `lookahead` is on and the handlers are
-    /// slower than a claim (about as long as the last one took). With `parts`, a batch whose
-    /// keys left only wait for retries in place is split: what is done is returned to be
-    /// recorded, with the rest still running.
+    /// slower than a claim (about as long as the last one took), once `recorded` says the
+    /// batch before was recorded. With `parts`, a batch whose keys left only wait for retries
+    /// in place is split: what is done is returned to be recorded, with the rest still running.
     async fn claim_and_deliver(
         &self,
         lookahead: &mut Lookahead,
         permits: &Arc<Semaphore>,
         parts: bool,
+        recorded: tokio::sync::watch::Receiver<bool>,
     ) -> Result<Claimed<'_>, StoreError> {
         let (batch, lease) = match lookahead.next.take() {
             Some(ahead) => {
@@ -539,7 +547,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         };
         let claiming_ahead = async {
-            let next = self.claim_ahead(&progress).await;
+            let next = self.claim_ahead(&progress, recorded).await;
             ahead_done.notify_one();
             next
         };
@@ -568,12 +576,22 @@ impl<S: Store, R: Router> Relay<S, R> {
         })
     }
 
-    /// Claims the next batch when `progress` says so, and keeps its lease until the batch in
-    /// progress is over. A failed claim is left to the claim after the batch.
-    async fn claim_ahead(&self, progress: &Progress) -> Option<Ahead> {
+    /// Claims the next batch when `progress` says so and the batch before the one in progress
+    /// is recorded (`recorded`), and keeps its lease until the batch in progress is over. A
+    /// failed claim is left to the claim after the batch.
+    ///
+    /// (Until its record ends, the batch before holds its aggregates: a claim would pass over
+    /// their later events, and find nothing when they are all there is.)
+    async fn claim_ahead(
+        &self,
+        progress: &Progress,
+        mut recorded: tokio::sync::watch::Receiver<bool>,
+    ) -> Option<Ahead> {
         if !progress.claim_next().await {
             return None;
         }
+        // (The sender gone: the record is over too.)
+        let _ = recorded.wait_for(|done| *done).await;
         let sent = Instant::now();
         // (Only made when the handlers are slower than a claim.)
         let batch = match self.claim(self.config.claim_size(true)).await {
@@ -701,7 +719,12 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut lookahead = Lookahead::default();
         let permits = Arc::new(Semaphore::new(self.config.concurrency));
         let claimed = self
-            .claim_and_deliver(&mut lookahead, &permits, false)
+            .claim_and_deliver(
+                &mut lookahead,
+                &permits,
+                false,
+                tokio::sync::watch::channel(true).1,
+            )
             .await?;
         let (token, mut report, outcomes) = match claimed {
             Claimed::Delivered(token, report, outcomes) => (token, report, outcomes),
