@@ -1,6 +1,9 @@
 //! (i) Relay to NATS JetStream: a relay whose one subscriber publishes each event to a stream and
 //! waits for its acknowledgement, against a raw async-nats loop publishing the same messages
-//! (same subjects, headers and bodies) with acknowledgements awaited at the same concurrency.
+//! (same subjects, headers and bodies) with acknowledgements awaited at the same concurrency,
+//! and against a raw relay: that loop fed by the raw `SKIP LOCKED` drain, which claims 500,
+//! publishes them and marks them published in one transaction (no order per aggregate, no
+//! retries: the least a relay from the database does).
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,10 +56,11 @@ pub(crate) async fn relay_to_jetstream(runs: usize, config: &RelayConfig) {
     let url = std::env::var("NATS_URL").unwrap_or_else(|_| "127.0.0.1:4222".to_owned());
     let jetstream = jetstream::new(async_nats::connect(url).await.unwrap());
     let concurrency = config.concurrency();
-    let (mut ours, mut raw) = (Vec::new(), Vec::new());
+    let (mut ours, mut raw, mut raw_relay) = (Vec::new(), Vec::new(), Vec::new());
     for _ in 0..runs {
         ours.push(ours_once(&jetstream, config.clone()).await);
         raw.push(raw_once(&jetstream, concurrency).await);
+        raw_relay.push(raw_relay_once(&jetstream, concurrency).await);
     }
     super::report(
         &format!(
@@ -65,6 +69,12 @@ pub(crate) async fn relay_to_jetstream(runs: usize, config: &RelayConfig) {
         "events/s",
         &ours,
         &raw,
+    );
+    super::report(
+        "(i) the same, against a raw relay",
+        "events/s",
+        &ours,
+        &raw_relay,
     );
 }
 
@@ -100,21 +110,87 @@ async fn ours_once(jetstream: &jetstream::Context, config: RelayConfig) -> f64 {
     rate
 }
 
+/// An outbox row as the raw loops read it: id, aggregate type and id, event type, payload.
+type Row = (i64, String, Uuid, String, String);
+
 /// The same messages as the relay publishes, built from the same rows beforehand, published
 /// `concurrency` at a time, each waiting for its acknowledgement.
 async fn raw_once(jetstream: &jetstream::Context, concurrency: usize) -> f64 {
     let (name, prefix) = stream(jetstream).await;
     let (_db, outbox, _) = setup(1000).await;
     prefill(outbox.pool(), EVENTS).await;
-    let rows: Vec<(i64, String, Uuid, String, String)> = sqlx::query_as(
+    let rows: Vec<Row> = sqlx::query_as(
         "SELECT id, aggregate_type, aggregate_id, event_type, payload::text
          FROM events.outbox ORDER BY id",
     )
     .fetch_all(outbox.pool())
     .await
     .unwrap();
-    let messages: Vec<(String, PublishMessage)> = rows
-        .into_iter()
+    let messages = messages(&prefix, rows);
+    let start = Instant::now();
+    publish_all(jetstream, messages, concurrency).await;
+    let rate = EVENTS as f64 / start.elapsed().as_secs_f64();
+    let mut stream = jetstream.get_stream(&name).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, EVENTS);
+    jetstream.delete_stream(&name).await.unwrap();
+    rate
+}
+
+/// The raw relay: claims 500 unpublished rows with `SKIP LOCKED`, publishes them
+/// `concurrency` at a time (each waiting for its acknowledgement), marks them published and
+/// commits, until none is left.
+async fn raw_relay_once(jetstream: &jetstream::Context, concurrency: usize) -> f64 {
+    let (name, prefix) = stream(jetstream).await;
+    let (_db, outbox, _) = setup(1000).await;
+    prefill(outbox.pool(), EVENTS).await;
+    let pool = outbox.pool();
+    let start = Instant::now();
+    loop {
+        let mut tx = pool.begin().await.unwrap();
+        let rows: Vec<Row> = sqlx::query_as(
+            "SELECT id, aggregate_type, aggregate_id, event_type, payload::text
+             FROM events.outbox
+             WHERE published_at IS NULL ORDER BY id LIMIT 500 FOR UPDATE SKIP LOCKED",
+        )
+        .fetch_all(&mut *tx)
+        .await
+        .unwrap();
+        if rows.is_empty() {
+            break;
+        }
+        let ids: Vec<i64> = rows.iter().map(|row| row.0).collect();
+        publish_all(jetstream, messages(&prefix, rows), concurrency).await;
+        sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
+            .bind(&ids)
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+    }
+    let rate = EVENTS as f64 / start.elapsed().as_secs_f64();
+    let mut stream = jetstream.get_stream(&name).await.unwrap();
+    assert_eq!(stream.info().await.unwrap().state.messages, EVENTS);
+    jetstream.delete_stream(&name).await.unwrap();
+    rate
+}
+
+/// Publishes `messages`, `concurrency` at a time, each waiting for its acknowledgement.
+async fn publish_all(
+    jetstream: &jetstream::Context,
+    messages: Vec<(String, PublishMessage)>,
+    concurrency: usize,
+) {
+    futures_util::stream::iter(messages)
+        .for_each_concurrent(concurrency, |(subject, message)| async move {
+            let ack = jetstream.send_publish(subject, message).await.unwrap();
+            ack.await.unwrap();
+        })
+        .await;
+}
+
+/// The messages the relay publishes for `rows`: subject, headers and body.
+fn messages(prefix: &str, rows: Vec<Row>) -> Vec<(String, PublishMessage)> {
+    rows.into_iter()
         .map(|(id, aggregate_type, aggregate_id, event_type, payload)| {
             let mut headers = HeaderMap::new();
             let id = id.to_string();
@@ -130,17 +206,5 @@ async fn raw_once(jetstream: &jetstream::Context, concurrency: usize) -> f64 {
                 .headers(headers);
             (subject, message)
         })
-        .collect();
-    let start = Instant::now();
-    futures_util::stream::iter(messages)
-        .for_each_concurrent(concurrency, |(subject, message)| async move {
-            let ack = jetstream.send_publish(subject, message).await.unwrap();
-            ack.await.unwrap();
-        })
-        .await;
-    let rate = EVENTS as f64 / start.elapsed().as_secs_f64();
-    let mut stream = jetstream.get_stream(&name).await.unwrap();
-    assert_eq!(stream.info().await.unwrap().state.messages, EVENTS);
-    jetstream.delete_stream(&name).await.unwrap();
-    rate
+        .collect()
 }
