@@ -45,6 +45,7 @@ on_every_backend!(
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
     a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded,
+    a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1486,12 +1487,46 @@ async fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch<B: TestBa
     assert!(claims.len() >= 2, "{claims:?}");
     assert_eq!(
         claims[0],
-        (40, 40),
-        "the first claim knows nothing of the handlers"
+        (10, 10),
+        "the first claim, knowing nothing of the handlers, asks for a quarter"
     );
     assert_eq!(
         claims[1].0, 10,
         "asked for after a batch of slow calls: {claims:?}"
+    );
+    each_once_in_order(&probe, &aggregates, 1);
+}
+
+/// A relay starts with a quarter of its batch and, once a batch's calls took less than its
+/// claim (the store, not the handlers, is what it waits for), claims the whole batch size.
+async fn a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    // Handlers that return at once.
+    let aggregates: Vec<Uuid> = (0..100).map(|_| Uuid::new_v4()).collect();
+    let round: Vec<Ping> = aggregates
+        .iter()
+        .map(|&aggregate| Ping { aggregate, seq: 1 })
+        .collect();
+    publish(&outbox, &round).await;
+    let store = WatchedStore::new(outbox.store());
+    let claims = store.claims.clone();
+    let relay = Relay::new(
+        store,
+        OnlyX::new(&probe),
+        config().with_batch_size(40).with_concurrency(1),
+    )
+    .unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 100).await;
+    worker.abort();
+    let claims = claims.lock().unwrap().clone();
+    assert!(claims.len() >= 2, "{claims:?}");
+    assert_eq!(claims[0], (10, 10), "the first claim asks for a quarter");
+    assert_eq!(
+        claims[1],
+        (40, 40),
+        "asked for after a batch of quick calls: {claims:?}"
     );
     each_once_in_order(&probe, &aggregates, 1);
 }

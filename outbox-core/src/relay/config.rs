@@ -75,7 +75,9 @@ impl RelayConfig {
     /// quarter of this (at least one): the claims then overlap the handlers, and a smaller batch
     /// ends sooner and holds fewer aggregates back from the claim ahead of it. So it does after
     /// a batch with failures or retries: a failed call makes the later events of its key in the
-    /// batch delivery rows of their own, more of them in a larger batch. The seed's 50
+    /// batch delivery rows of their own, more of them in a larger batch. Its first claim is a
+    /// quarter too (it knows nothing of its handlers yet: slow ones would make a whole first
+    /// batch hold every aggregate of a backlog, with nothing to claim ahead of it). The seed's 50
     /// drains a backlog at about a third of the rate of 500 on PostgreSQL, and 500 at about
     /// three quarters of the rate of 2000 (see the README's benchmark).
     #[must_use]

@@ -347,8 +347,12 @@ impl<S: Store, R: Router> Relay<S, R> {
         // When the earliest retry or parked event this relay recorded is due: an idle relay
         // looks again then, not only after its poll interval.
         let mut next_due: Option<Instant> = None;
+        // A relay starts with the smaller claim, as it knows nothing of its handlers yet: with
+        // slow ones a whole batch holds every aggregate of a backlog and nothing can be claimed
+        // ahead of it; with quick ones the next claims take the whole batch size.
         let mut lookahead = Lookahead {
             on: true,
+            claim_less: true,
             ..Lookahead::default()
         };
         loop {
