@@ -572,17 +572,17 @@ impl<S: Store> Store for WatchedStore<S> {
             self.claimed_while_recording.fetch_add(1, SeqCst);
         }
         let batch = self.inner.claim(limit, lease, filter).await?;
-        if !batch.is_empty() {
+        if batch.is_empty() {
+            self.idle.notify_one();
+        } else {
             self.claims
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push((limit, batch.claims.len()));
-        }
-        if batch.is_empty() {
-            self.idle.notify_one();
-        } else if busy {
-            self.claimed_while_busy.fetch_add(1, SeqCst);
-            self.claimed_ahead.notify_one();
+            if busy {
+                self.claimed_while_busy.fetch_add(1, SeqCst);
+                self.claimed_ahead.notify_one();
+            }
         }
         Ok(batch)
     }

@@ -151,8 +151,8 @@ async fn a_publisher_waiting_for_its_aggregate_holds_no_other_aggregate_back() {
     );
 }
 
-/// Waits until a session on the test database waits in its aggregate's lock statement (the server
-/// shows a wait there as the statement's "Statistics" state, not always in `innodb_trx`).
+/// Waits until a session on the test database is in its aggregate's lock statement (read from
+/// the process list: a lock wait does not always show in `innodb_trx`).
 async fn wait_for_lock_wait(db: &TestMyDb) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     loop {
