@@ -46,6 +46,7 @@ on_every_backend!(
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
     a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded,
     a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first,
+    a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1527,6 +1528,51 @@ async fn a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first<B: T
         claims[1],
         (40, 40),
         "asked for after a batch of quick calls: {claims:?}"
+    );
+    each_once_in_order(&probe, &aggregates, 1);
+}
+
+/// A batch split because a key waits for a retry in place says nothing of the handlers (they
+/// are quick): the claim after it asks for the whole batch, as after any batch of quick calls.
+async fn a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let aggregates: Vec<Uuid> = (0..100).map(|_| Uuid::new_v4()).collect();
+    // The first event fails once: its retry, due in 50 ms, is waited for in place, and the
+    // first batch is split (the other nine recorded at once).
+    probe.fail("x", aggregates[0], 1, [Fail::Transient]);
+    let round: Vec<Ping> = aggregates
+        .iter()
+        .map(|&aggregate| Ping { aggregate, seq: 1 })
+        .collect();
+    publish(&outbox, &round).await;
+    let store = WatchedStore::new(outbox.store());
+    let claims = store.claims.clone();
+    let relay = Relay::new(
+        store,
+        OnlyX::new(&probe),
+        config()
+            .with_batch_size(40)
+            .with_concurrency(1)
+            .with_retry_in_place(ms(100)),
+    )
+    .unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 100).await;
+    worker.abort();
+    let claims = claims.lock().unwrap().clone();
+    assert!(claims.len() >= 2, "{claims:?}");
+    assert_eq!(claims[0], (10, 10), "the first claim asks for a quarter");
+    assert_eq!(
+        claims[1],
+        (40, 40),
+        "asked for after a batch split for a retry: {claims:?}"
+    );
+    let calls = probe.calls_of("x");
+    assert_eq!(
+        calls.len(),
+        101,
+        "one failed call, then each delivered once"
     );
     each_once_in_order(&probe, &aggregates, 1);
 }

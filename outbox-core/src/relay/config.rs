@@ -74,8 +74,10 @@ impl RelayConfig {
     /// the relay waits for (its last batch's calls took longer than its claim), it claims a
     /// quarter of this (at least one): the claims then overlap the handlers, and a smaller batch
     /// ends sooner and holds fewer aggregates back from the claim ahead of it. So it does after
-    /// a batch with failures or retries: a failed call makes the later events of its key in the
-    /// batch delivery rows of their own, more of them in a larger batch. Its first claim is a
+    /// a batch with deliveries to record (failures or retries not made in place): a failed call
+    /// makes the later events of its key in the batch delivery rows of their own, more of them
+    /// in a larger batch. (A retry made in place writes no row: after it, quick handlers get
+    /// the whole batch.) Its first claim is a
     /// quarter too (it knows nothing of its handlers yet: slow ones would make a whole first
     /// batch hold every aggregate of a backlog, with nothing to claim ahead of it). The seed's 50
     /// drains a backlog at about a third of the rate of 500 on PostgreSQL, and 500 at about

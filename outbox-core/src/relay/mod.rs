@@ -558,10 +558,12 @@ impl<S: Store, R: Router> Relay<S, R> {
         let (ended, next) = tokio::join!(delivering, claiming_ahead);
         lookahead.next = next;
         let slow_calls = lookahead.claim_takes.is_some_and(|c| calls_took > c);
+        // A split batch is no reason by itself: its keys wait for retries in place, not for
+        // slow handlers, and the aggregates it frees are claimed a batch's worth at a time.
+        let claim_less = |outcomes: &Outcomes| slow_calls || !outcomes.deliveries.is_empty();
         Ok(match ended {
             Ok((report, outcomes)) => {
-                // (Split: keys wait for their retries in place.)
-                lookahead.claim_less = true;
+                lookahead.claim_less = claim_less(&outcomes);
                 Claimed::Split {
                     token,
                     report,
@@ -574,7 +576,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 if let Some(Ok((_, part))) = first_part.map(|mut part| part.try_recv()) {
                     absorb(&mut outcomes, part);
                 }
-                lookahead.claim_less = slow_calls || !outcomes.deliveries.is_empty();
+                lookahead.claim_less = claim_less(&outcomes);
                 Claimed::Delivered(token, report, outcomes)
             }
         })
