@@ -1503,33 +1503,14 @@ async fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch<B: TestBa
 async fn a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    // Handlers that return at once.
     let aggregates: Vec<Uuid> = (0..100).map(|_| Uuid::new_v4()).collect();
-    let round: Vec<Ping> = aggregates
-        .iter()
-        .map(|&aggregate| Ping { aggregate, seq: 1 })
-        .collect();
-    publish(&outbox, &round).await;
-    let store = WatchedStore::new(outbox.store());
-    let claims = store.claims.clone();
-    let relay = Relay::new(
-        store,
-        OnlyX::new(&probe),
-        config().with_batch_size(40).with_concurrency(1),
-    )
-    .unwrap();
-    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
-    wait_for(|| probe.delivered_to("x").len() == 100).await;
-    worker.abort();
-    let claims = claims.lock().unwrap().clone();
-    assert!(claims.len() >= 2, "{claims:?}");
-    assert_eq!(claims[0], (10, 10), "the first claim asks for a quarter");
+    let claims = claims_of_quick_calls(&outbox, &probe, &aggregates, config()).await;
     assert_eq!(
         claims[1],
         (40, 40),
         "asked for after a batch of quick calls: {claims:?}"
     );
-    each_once_in_order(&probe, &aggregates, 1);
+    assert_eq!(probe.calls_of("x").len(), 100, "each delivered once");
 }
 
 /// A batch split because a key waits for a retry in place says nothing of the handlers (they
@@ -1541,40 +1522,46 @@ async fn a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim<B: Test
     // The first event fails once: its retry, due in 50 ms, is waited for in place, and the
     // first batch is split (the other nine recorded at once).
     probe.fail("x", aggregates[0], 1, [Fail::Transient]);
-    let round: Vec<Ping> = aggregates
-        .iter()
-        .map(|&aggregate| Ping { aggregate, seq: 1 })
-        .collect();
-    publish(&outbox, &round).await;
-    let store = WatchedStore::new(outbox.store());
-    let claims = store.claims.clone();
-    let relay = Relay::new(
-        store,
-        OnlyX::new(&probe),
-        config()
-            .with_batch_size(40)
-            .with_concurrency(1)
-            .with_retry_in_place(ms(100)),
-    )
-    .unwrap();
-    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
-    wait_for(|| probe.delivered_to("x").len() == 100).await;
-    worker.abort();
-    let claims = claims.lock().unwrap().clone();
-    assert!(claims.len() >= 2, "{claims:?}");
-    assert_eq!(claims[0], (10, 10), "the first claim asks for a quarter");
+    let config = config().with_retry_in_place(ms(100));
+    let claims = claims_of_quick_calls(&outbox, &probe, &aggregates, config).await;
     assert_eq!(
         claims[1],
         (40, 40),
         "asked for after a batch split for a retry: {claims:?}"
     );
-    let calls = probe.calls_of("x");
     assert_eq!(
-        calls.len(),
+        probe.calls_of("x").len(),
         101,
         "one failed call, then each delivered once"
     );
-    each_once_in_order(&probe, &aggregates, 1);
+}
+
+/// One event of each of `aggregates` for `x`, whose handler returns at once, relayed in
+/// batches of 40 calls made one at a time (`config` otherwise) until all are delivered, in
+/// order: the claims made, as (asked for, got). The first asks for a quarter.
+async fn claims_of_quick_calls<B: TestBackend>(
+    outbox: &TestOutbox<B>,
+    probe: &Probe,
+    aggregates: &[Uuid],
+    config: RelayConfig,
+) -> Vec<(u32, usize)> {
+    let round: Vec<Ping> = aggregates
+        .iter()
+        .map(|&aggregate| Ping { aggregate, seq: 1 })
+        .collect();
+    publish(outbox, &round).await;
+    let store = WatchedStore::new(outbox.store());
+    let claims = store.claims.clone();
+    let config = config.with_batch_size(40).with_concurrency(1);
+    let relay = Relay::new(store, OnlyX::new(probe), config).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == aggregates.len()).await;
+    worker.abort();
+    each_once_in_order(probe, aggregates, 1);
+    let claims = claims.lock().unwrap().clone();
+    assert!(claims.len() >= 2, "{claims:?}");
+    assert_eq!(claims[0], (10, 10), "the first claim asks for a quarter");
+    claims
 }
 
 /// The claim made ahead of a batch waits for the record of the batch before it, which runs
