@@ -77,11 +77,11 @@ impl RelayConfig {
     /// a batch with deliveries to record (failures or retries not made in place): a failed call
     /// makes the later events of its key in the batch delivery rows of their own, more of them
     /// in a larger batch. (A retry made in place writes no row: after it, quick handlers get
-    /// the whole batch.) Its first claim is a
-    /// quarter too (it knows nothing of its handlers yet: slow ones would make a whole first
-    /// batch hold every aggregate of a backlog, with nothing to claim ahead of it). The seed's 50
-    /// drains a backlog at about a third of the rate of 500 on PostgreSQL, and 500 at about
-    /// three quarters of the rate of 2000 (see the README's benchmark).
+    /// the whole batch.) Its first claim is a quarter too (it knows nothing of its handlers
+    /// yet: slow ones would make a whole first batch hold every aggregate of a backlog, with
+    /// nothing to claim ahead of it). The seed's 50 drains a backlog at about a third of the
+    /// rate of 500 on PostgreSQL, and 500 at about three quarters of the rate of 2000 (see the
+    /// README's benchmark).
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;

@@ -560,6 +560,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         let slow_calls = lookahead.claim_takes.is_some_and(|c| calls_took > c);
         // A split batch is no reason by itself: its keys wait for retries in place, not for
         // slow handlers, and the aggregates it frees are claimed a batch's worth at a time.
+        // (Of a split batch only the first part's deliveries are known here.)
         let claim_less = |outcomes: &Outcomes| slow_calls || !outcomes.deliveries.is_empty();
         Ok(match ended {
             Ok((report, outcomes)) => {
