@@ -564,13 +564,18 @@ async fn raw_cycle(
     .unwrap();
     work(&rows).await;
     let ids: Vec<i64> = rows.iter().map(|r| r.0).collect();
+    mark_published(tx, &ids).await;
+    rows.len() as u64
+}
+
+/// The end of a raw cycle: the claimed `ids` marked published, and `tx` committed.
+async fn mark_published(mut tx: sqlx::Transaction<'_, Postgres>, ids: &[i64]) {
     sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
-        .bind(&ids)
+        .bind(ids)
         .execute(&mut *tx)
         .await
         .unwrap();
     tx.commit().await.unwrap();
-    rows.len() as u64
 }
 
 // ---------------------------------------------------------------------------------------------

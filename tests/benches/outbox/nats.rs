@@ -16,7 +16,7 @@ use outbox_core::{Delivery, Handle, HandlerError, Relay, RelayConfig, router, su
 use outbox_nats::JetStreamPublisher;
 use uuid::Uuid;
 
-use super::{Deposited, prefill, setup};
+use super::{Deposited, mark_published, prefill, setup};
 
 const EVENTS: u64 = 20_000;
 
@@ -160,12 +160,7 @@ async fn raw_relay_once(jetstream: &jetstream::Context, concurrency: usize) -> f
         }
         let ids: Vec<i64> = rows.iter().map(|row| row.0).collect();
         publish_all(jetstream, messages(&prefix, rows), concurrency).await;
-        sqlx::query("UPDATE events.outbox SET published_at = now() WHERE id = ANY($1)")
-            .bind(&ids)
-            .execute(&mut *tx)
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
+        mark_published(tx, &ids).await;
     }
     let rate = EVENTS as f64 / start.elapsed().as_secs_f64();
     let mut stream = jetstream.get_stream(&name).await.unwrap();
