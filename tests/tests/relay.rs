@@ -35,6 +35,8 @@ on_every_backend!(
     a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
     a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate,
     aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait,
+    a_key_waiting_alone_in_its_batch_for_a_retry_in_place_holds_back_no_other_aggregate,
+    aggregates_freed_while_a_batch_still_waits_are_claimed_at_once,
     a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
@@ -1203,6 +1205,73 @@ async fn aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait
     worker.abort();
     each_once_in_order(&probe, &[a, c], 2);
     each_once_in_order(&probe, &[b], 1);
+}
+
+/// A batch whose every aggregate still has a key waiting for a retry in place holds only those
+/// aggregates: the relay claims and delivers other aggregates' events meanwhile. (The poll
+/// interval is long: only the commit wakes the relay.)
+async fn a_key_waiting_alone_in_its_batch_for_a_retry_in_place_holds_back_no_other_aggregate<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let config = config()
+        .with_poll_interval(Duration::from_secs(30))
+        .with_retry(RetryPolicy::new([Duration::from_secs(3)]).unwrap())
+        .with_retry_in_place(Duration::from_millis(3500));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    publish_pings(&outbox, &[(a, 1)]).await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.calls_of("x").len() == 1).await;
+
+    // a's batch holds nothing else: b's event is claimed and delivered while a waits.
+    publish_pings(&outbox, &[(b, 1)]).await;
+    wait_for(|| probe.delivered_to("x").contains(&(b, 1))).await;
+    assert_eq!(
+        calls_for(&probe, a),
+        1,
+        "b's event waited for a's retry: {:?}",
+        probe.calls_of("x")
+    );
+    wait_for(|| probe.delivered_to("x").len() == 2).await;
+    worker.abort();
+    each_once_in_order(&probe, &[a, b], 1);
+}
+
+/// An aggregate whose keys are done while others of its batch still wait for retries in place
+/// is recorded at once, and the relay, idle meanwhile, claims its later events then, not at its
+/// next poll or when the batch ends.
+async fn aggregates_freed_while_a_batch_still_waits_are_claimed_at_once<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    // a's first event fails twice (retried after 1 s, then 2 s), c's once (after 1 s), both
+    // retried in the batch.
+    probe.fail("x", a, 1, [Fail::Transient, Fail::Transient]);
+    probe.fail("x", c, 1, [Fail::Transient]);
+    let config = config()
+        .with_poll_interval(Duration::from_secs(30))
+        .with_retry(RetryPolicy::new([Duration::from_secs(1), Duration::from_secs(2)]).unwrap())
+        .with_retry_in_place(Duration::from_millis(2500));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    publish_pings(&outbox, &[(a, 1), (b, 1), (c, 1)]).await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").contains(&(b, 1))).await;
+    // c's next event comes while c's first still waits: claims pass over it until c is done.
+    publish_pings(&outbox, &[(c, 2)]).await;
+    wait_for(|| probe.delivered_to("x").contains(&(c, 2))).await;
+    assert_eq!(
+        calls_for(&probe, a),
+        2,
+        "c's second event waited for a's last retry: {:?}",
+        probe.calls_of("x")
+    );
+    wait_for(|| probe.delivered_to("x").len() == 4).await;
+    worker.abort();
+    each_once_in_order(&probe, &[a, b], 1);
+    each_once_in_order(&probe, &[c], 2);
 }
 
 async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires<

@@ -92,8 +92,11 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// lasts, at most `permits` calls at once (the permits may be shared with other batches).
     ///
     /// With `split`, once every key still running only waits for a retry in place, the
-    /// outcomes of the aggregates that are done are sent there (to be recorded at once: their
-    /// later events need not wait for the retries), and what this returns is the rest.
+    /// outcomes of the aggregates that are done are sent there, even if none is: the delivery
+    /// loop records them at once (their later events need not wait for the retries) and claims
+    /// more work beside the rest, which this returns. Each time the keys left all wait again,
+    /// the rest records the aggregates done meanwhile itself, and tells the loop
+    /// ([`Relay::freed`]).
     pub(super) async fn deliver_batch(
         &self,
         claims: Vec<Claim>,
@@ -153,7 +156,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             let mut done = done_aggregates(&plan, &ran);
             done.retain(|a| !recorded.contains(a));
-            if done.is_empty() {
+            // (The first part goes to the delivery loop even when empty: the loop then claims
+            // other aggregates' work instead of waiting for the retries.)
+            if done.is_empty() && split.is_none() {
                 continue;
             }
             let part: Vec<Vec<(Step, Ran)>> = ran
@@ -177,7 +182,11 @@ impl<S: Store, R: Router> Relay<S, R> {
                 None => {
                     let token = lease.token();
                     recording = Some(Box::pin(async move {
-                        self.record_or_log(token, &outcomes, true).await
+                        let applied = self.record_or_log(token, &outcomes, true).await;
+                        if applied {
+                            self.freed.notify_one();
+                        }
+                        applied
                     }));
                 }
             }

@@ -95,6 +95,9 @@ pub struct Relay<S, R> {
     chores: Mutex<Chores>,
     /// Its registration in the store, and what relays of other builds route.
     builds: builds::Builds,
+    /// Told when a record made beside the delivery loop (of a split batch's later part or its
+    /// rest) freed aggregates: an idle loop claims their later events at once.
+    freed: tokio::sync::Notify,
 }
 
 /// When a running relay next reports its status and purges old events.
@@ -219,8 +222,6 @@ type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes)> + Send +
 struct Rests {
     /// When the earliest retry or parked event they recorded is due.
     next_due: Mutex<Option<Instant>>,
-    /// Told when one was recorded: its aggregates are free again.
-    recorded: tokio::sync::Notify,
 }
 
 impl<S: Store, R: Router> Relay<S, R> {
@@ -234,6 +235,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             config,
             chores: Mutex::new(Chores::new()),
             builds: builds::Builds::new(&R::catalog()),
+            freed: tokio::sync::Notify::new(),
         })
     }
 
@@ -428,7 +430,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                                 .unwrap_or_else(PoisonError::into_inner);
                             note_due(&mut next_due, &outcomes);
                         }
-                        rests.recorded.notify_one();
+                        self.freed.notify_one();
                     };
                     // (The receiver outlives this loop.)
                     let _ = to_finish.send(Box::pin(finish));
@@ -648,8 +650,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             biased;
             () = shutdown.as_mut() => true,
             () = self.store.notified() => false,
-            // The rest of a split batch was recorded: its aggregates are free again.
-            () = rests.recorded.notified() => false,
+            // Part of a split batch, or its rest, was recorded: its aggregates are free again.
+            () = self.freed.notified() => false,
             () = tokio::time::sleep_until(until) => false,
         }
     }
