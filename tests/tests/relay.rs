@@ -1515,8 +1515,9 @@ fn each_once_in_order(probe: &Probe, aggregates: &[Uuid], seqs: u32) {
 async fn slow_batches<B: TestBackend>(
     outbox: &TestOutbox<B>,
     probe: &Probe,
+    call: Duration,
 ) -> (Vec<Uuid>, WatchedStore<SqlStore<B>>, RelayConfig) {
-    let aggregates = publish_rounds(outbox, probe, 100, 3, ms(2)).await;
+    let aggregates = publish_rounds(outbox, probe, 100, 3, call).await;
     let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
     let slow = config().with_batch_size(40).with_concurrency(1);
     (aggregates, store, slow)
@@ -1525,7 +1526,7 @@ async fn slow_batches<B: TestBackend>(
 async fn slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe, ms(2)).await;
     let ahead = store.claimed_while_busy.clone();
     let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
@@ -1640,9 +1641,12 @@ async fn claims_of_quick_calls<B: TestBackend>(
 async fn a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
-    // Records that outlast a batch (about 100 ms): a claim ahead that did not wait for the
-    // record before it would start while it runs.
+    // Calls of 10 ms: a batch (a quarter of 40, one call at a time) takes about 100 ms, longer
+    // than the relay's first claim, which registers it and which a loaded machine slows (only
+    // the first batch has no record before it to wait for).
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe, ms(10)).await;
+    // Records that outlast a batch: a claim ahead that did not wait for the record before it
+    // would start while it runs.
     let store = store.slow_records(ms(150));
     let (ahead, racing) = (
         store.claimed_while_busy.clone(),
@@ -1667,7 +1671,7 @@ async fn a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded<B: Test
 async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    let (aggregates, store, slow) = slow_batches(&outbox, &probe).await;
+    let (aggregates, store, slow) = slow_batches(&outbox, &probe, ms(2)).await;
     let ahead = store.claimed_ahead.clone();
     // A lease longer than this test waits: a batch kept claimed would not be delivered again
     // in time.
