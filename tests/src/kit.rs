@@ -465,6 +465,8 @@ pub struct WatchedStore<S> {
     pub claims: Arc<Mutex<Vec<(u32, usize)>>>,
     /// How long each record waits before it records (see [`slow_records`](Self::slow_records)).
     record_delay: Duration,
+    /// How long each registration waits (see [`slow_registers`](Self::slow_registers)).
+    register_delay: Duration,
     /// The records in flight.
     recording: Arc<std::sync::atomic::AtomicUsize>,
     /// How many claims started while handler calls ran and a record was in flight: claims
@@ -488,6 +490,7 @@ impl<S> WatchedStore<S> {
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
             claims: Arc::default(),
             record_delay: Duration::ZERO,
+            register_delay: Duration::ZERO,
             recording: Arc::default(),
             claimed_while_recording: Arc::default(),
         }
@@ -497,6 +500,13 @@ impl<S> WatchedStore<S> {
     #[must_use]
     pub fn slow_records(mut self, delay: Duration) -> Self {
         self.record_delay = delay;
+        self
+    }
+
+    /// Makes every registration of a relay (its first claim makes one) wait `delay` first.
+    #[must_use]
+    pub fn slow_registers(mut self, delay: Duration) -> Self {
+        self.register_delay = delay;
         self
     }
 
@@ -593,6 +603,9 @@ impl<S: Store> Store for WatchedStore<S> {
         routing: &str,
         ttl: Duration,
     ) -> Result<outbox_core::store::Registry, outbox_core::StoreError> {
+        if !self.register_delay.is_zero() {
+            tokio::time::sleep(self.register_delay).await;
+        }
         self.inner.register(relay, routing, ttl).await
     }
 

@@ -46,6 +46,7 @@ on_every_backend!(
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
+    a_claim_is_timed_without_the_registration_before_it,
     a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded,
     a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first,
     a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim,
@@ -1564,6 +1565,30 @@ async fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch<B: TestBa
     assert_eq!(
         claims[1].0, 10,
         "asked for after a batch of slow calls: {claims:?}"
+    );
+    each_once_in_order(&probe, &aggregates, 1);
+}
+
+/// How long a claim takes (against which the relay weighs its handlers) is the store's claim
+/// alone: the first claim also registers the relay, which a loaded machine may make slower than
+/// a whole batch of calls.
+async fn a_claim_is_timed_without_the_registration_before_it<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    // A first batch of 10 calls of 10 ms (about 100 ms), after a registration of 300 ms.
+    let aggregates = publish_rounds(&outbox, &probe, 100, 1, ms(10)).await;
+    let store = WatchedStore::new(outbox.store()).slow_registers(ms(300));
+    let claims = store.claims.clone();
+    let slow = config().with_batch_size(40).with_concurrency(1);
+    let relay = Relay::new(store, OnlyX::new(&probe), slow).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x").len() == 100).await;
+    worker.abort();
+    let claims = claims.lock().unwrap().clone();
+    assert_eq!(
+        claims[1].0, 10,
+        "the calls were slower than the claim, not than the claim and the registration: \
+         {claims:?}"
     );
     each_once_in_order(&probe, &aggregates, 1);
 }

@@ -490,14 +490,13 @@ impl<S: Store, R: Router> Relay<S, R> {
                 (ahead.batch, ahead.lease)
             }
             None => {
-                let sent = Instant::now();
-                let batch = self
+                let (batch, sent, took) = self
                     .claim(self.config.claim_size(lookahead.claim_less))
                     .await?;
                 if batch.is_empty() {
                     return Ok(Claimed::Nothing { more: batch.more });
                 }
-                lookahead.claim_takes = Some(sent.elapsed());
+                lookahead.claim_takes = Some(took);
                 let lease = Lease::new(batch.token, self.config.lease, sent);
                 (batch, lease)
             }
@@ -601,17 +600,15 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
         // (The sender gone: the record is over too.)
         let _ = recorded.wait_for(|done| *done).await;
-        let sent = Instant::now();
         // (Only made when the handlers are slower than a claim.)
-        let batch = match self.claim(self.config.claim_size(true)).await {
-            Ok(batch) if !batch.is_empty() => batch,
+        let (batch, sent, took) = match self.claim(self.config.claim_size(true)).await {
+            Ok((batch, sent, took)) if !batch.is_empty() => (batch, sent, took),
             Ok(_) => return None,
             Err(error) => {
                 tracing::debug!(%error, "outbox relay could not claim ahead; it claims after the batch");
                 return None;
             }
         };
-        let took = sent.elapsed();
         let lease = Lease::new(batch.token, self.config.lease, sent);
         tokio::select! {
             biased;
@@ -754,17 +751,22 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Claims a batch, leaving to relays of other builds what only they route. The registry
     /// is read first when its heartbeat is due, and again when the claim saw it change, so
     /// that the batch is fanned out to the subscribers of every build registered before it.
-    async fn claim(&self, size: u32) -> Result<Batch, StoreError> {
+    /// Returns with the batch when the store's claim was sent (its lease runs from then at the
+    /// latest) and how long it took: the registry's reads are not the claim's time (the first
+    /// claim registers the relay).
+    async fn claim(&self, size: u32) -> Result<(Batch, Instant, Duration), StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
         let others = self.builds.others();
+        let sent = Instant::now();
         let batch = self
             .store
             .claim(size, self.config.lease, others.filter())
             .await?;
+        let took = sent.elapsed();
         if self.builds.is_stale(batch.registry.as_ref()) {
             self.builds.renew(&self.store, &self.router).await?;
         }
-        Ok(batch)
+        Ok((batch, sent, took))
     }
 
     /// This relay's id in the store's registry of relays.
