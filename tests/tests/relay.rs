@@ -37,6 +37,7 @@ on_every_backend!(
     aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait,
     a_key_waiting_alone_in_its_batch_for_a_retry_in_place_holds_back_no_other_aggregate,
     aggregates_freed_while_a_batch_still_waits_are_claimed_at_once,
+    a_slow_call_holds_back_only_its_own_aggregate,
     a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
@@ -1263,6 +1264,48 @@ async fn aggregates_freed_while_a_batch_still_waits_are_claimed_at_once<B: TestB
     worker.abort();
     each_once_in_order(&probe, &[a, b], 1);
     each_once_in_order(&probe, &[c], 2);
+}
+
+/// A call that takes long (a slow service, within the handler timeout) holds back only its own
+/// aggregate: the relay claims and delivers other aggregates' events beside it.
+async fn a_slow_call_holds_back_only_its_own_aggregate<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        }],
+    );
+    // (A handler timeout longer than the test waits: a's call ends only when released.)
+    let config = config()
+        .with_poll_interval(Duration::from_secs(30))
+        .with_lease(Duration::from_secs(150))
+        .with_handler_timeout(Duration::from_secs(60));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    publish_pings(&outbox, &[(a, 1), (c, 1)]).await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    entered.notified().await;
+
+    // While a's call runs, b's event and c's next are claimed and delivered; a's next waits.
+    publish_pings(&outbox, &[(b, 1), (c, 2), (a, 2)]).await;
+    wait_for(|| probe.delivered_to("x").len() == 3).await;
+    assert_eq!(calls_for(&probe, a), 0, "{:?}", probe.calls_of("x"));
+    assert_eq!(
+        probe.busy.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "a's call still runs"
+    );
+    release.notify_one();
+    wait_for(|| probe.delivered_to("x").len() == 5).await;
+    worker.abort();
+    each_once_in_order(&probe, &[a, c], 2);
+    each_once_in_order(&probe, &[b], 1);
 }
 
 async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires<

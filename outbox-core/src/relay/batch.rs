@@ -3,7 +3,8 @@
 //! claim outlasts the handler timeout. Then the outcomes are put together in claim order.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::time::Duration;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -12,6 +13,7 @@ use futures_util::StreamExt;
 use futures_util::future::OptionFuture;
 use futures_util::stream::FuturesUnordered;
 use tokio::sync::{Notify, Semaphore};
+use tokio::time::Instant;
 use uuid::Uuid;
 
 use super::ahead::Progress;
@@ -62,7 +64,7 @@ impl<S: Store, R: Router> Routes for Planning<'_, S, R> {
         Relay::decode(self.relay, event)
     }
 
-    fn park_delay(&self) -> std::time::Duration {
+    fn park_delay(&self) -> Duration {
         self.relay.config.park_delay
     }
 }
@@ -84,6 +86,12 @@ impl Ran {
     }
 }
 
+/// How long no call of a batch may end, with call slots idle, before the keys still running
+/// (slow calls) count as holding it back: long beside a call of a busy batch and a claim (well
+/// under a millisecond apart, and a few milliseconds), short beside what other aggregates'
+/// events should wait for.
+pub(super) const STALLED_AFTER: Duration = Duration::from_millis(50);
+
 /// Where a batch that may be recorded in parts sends its first part.
 pub(super) type SplitTx = tokio::sync::oneshot::Sender<(BatchReport, Outcomes)>;
 
@@ -91,11 +99,12 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Hands claimed events and deliveries to their subscribers, in order per key, while `lease`
     /// lasts, at most `permits` calls at once (the permits may be shared with other batches).
     ///
-    /// With `split`, once every key still running only waits for a retry in place, the
-    /// outcomes of the aggregates that are done are sent there, even if none is: the delivery
-    /// loop records them at once (their later events need not wait for the retries) and claims
-    /// more work beside the rest, which this returns. Each time the keys left all wait again,
-    /// the rest records the aggregates done meanwhile itself, and tells the loop
+    /// With `split`, once the keys still running hold the batch back ([`Calls::held_back`]:
+    /// they only wait for retries in place, or no call ended for [`STALLED_AFTER`] while call
+    /// slots were idle), the outcomes of the aggregates that are done are sent there, even if
+    /// none is: the delivery loop records them at once (their later events need not wait) and
+    /// claims more work beside the rest, which this returns. Each time the keys left hold it
+    /// back again, the rest records the aggregates done meanwhile itself, and tells the loop
     /// ([`Relay::freed`]).
     pub(super) async fn deliver_batch(
         &self,
@@ -120,8 +129,14 @@ impl<S: Store, R: Router> Relay<S, R> {
             progress,
             running: AtomicUsize::new(plan.queues.len()),
             waiting: AtomicUsize::new(0),
-            only_waiting: Notify::new(),
+            started: Instant::now(),
+            last_end: AtomicU64::new(0),
+            held_back: Notify::new(),
         };
+        // Fires STALLED_AFTER after the last call's end, if no call ended since: then it is
+        // set again, as long as the batch runs.
+        let stall = tokio::time::sleep(STALLED_AFTER);
+        tokio::pin!(stall);
         // The futures are made before they are streamed: a closure in the stream would make
         // the relay's future lose `Send` (rust-lang/rust#102211). Every queue is under way at
         // once; the permits bound the calls running.
@@ -147,17 +162,22 @@ impl<S: Store, R: Router> Relay<S, R> {
                     recording = None;
                     parts_recorded &= applied;
                 }
-                () = calls.only_waiting.notified(), if parts => {}
+                () = calls.held_back.notified(), if parts => {}
+                () = &mut stall, if parts => {
+                    let now = Instant::now();
+                    let next = calls.last_end() + STALLED_AFTER;
+                    stall.as_mut().reset(if next > now { next } else { now + STALLED_AFTER });
+                }
             }
             // (Checked after each event: a part record ending, or a queue, may leave the
-            // batch waiting only for retries, with more aggregates done.)
-            if !parts || recording.is_some() || !parts_recorded || !calls.only_waiting() {
+            // batch held back, with more aggregates done.)
+            if !parts || recording.is_some() || !parts_recorded || !calls.held_back() {
                 continue;
             }
             let mut done = done_aggregates(&plan, &ran);
             done.retain(|a| !recorded.contains(a));
             // (The first part goes to the delivery loop even when empty: the loop then claims
-            // other aggregates' work instead of waiting for the retries.)
+            // other aggregates' work instead of waiting for these keys.)
             if done.is_empty() && split.is_none() {
                 continue;
             }
@@ -377,33 +397,55 @@ struct Calls<'a> {
     running: AtomicUsize,
     /// Queues waiting for a retry in place.
     waiting: AtomicUsize,
-    /// Told when every queue not done waits for a retry in place.
-    only_waiting: Notify,
+    /// When the batch started.
+    started: Instant,
+    /// When the last call ended, in microseconds after `started` (0: none yet).
+    last_end: AtomicU64,
+    /// Told when [`held_back`](Self::held_back) may have become true.
+    held_back: Notify,
 }
 
 impl Calls<'_> {
-    /// Whether every queue not done waits for a retry in place (and one does).
-    fn only_waiting(&self) -> bool {
-        let waiting = self.waiting.load(Ordering::Relaxed);
-        waiting > 0 && waiting == self.running.load(Ordering::Relaxed)
+    /// Whether the queues not done hold the batch back, so that the aggregates done should be
+    /// recorded and the relay claim more beside it: every one of them waits for a retry in
+    /// place (and one does), or a queue still runs, no call ended for [`STALLED_AFTER`] and no
+    /// call waits for a permit (a free permit is a call slot left idle: waiting calls get
+    /// permits first).
+    fn held_back(&self) -> bool {
+        let (waiting, running) = (
+            self.waiting.load(Ordering::Relaxed),
+            self.running.load(Ordering::Relaxed),
+        );
+        (waiting > 0 && waiting == running)
+            || (running > 0
+                && self.last_end().elapsed() >= STALLED_AFTER
+                && self.permits.available_permits() > 0)
     }
 
-    /// Tells the batch when every queue not done waits for a retry in place.
+    /// When the last call ended (the batch's start if none has).
+    fn last_end(&self) -> Instant {
+        self.started + Duration::from_micros(self.last_end.load(Ordering::Relaxed))
+    }
+
+    /// Tells the batch when a queue starts waiting for a retry in place and that holds it
+    /// back.
     fn note_waiting(&self) {
-        if self.only_waiting() {
-            self.only_waiting.notify_one();
+        if self.held_back() {
+            self.held_back.notify_one();
         }
     }
 
     /// Notes what became of a planned call.
     fn ran(&self, ran: &mut Vec<(Step, Ran)>, step: Step, result: Ran) {
+        let ended = u64::try_from(self.started.elapsed().as_micros()).unwrap_or(u64::MAX);
+        self.last_end.fetch_max(ended, Ordering::Relaxed);
         ran.push((step, result));
         self.progress.finished_one();
     }
 
     /// Whether a handler may start: the claim outlasts its timeout (and did for every call
     /// before).
-    fn can_start(&self, lease: &Lease, handler_timeout: std::time::Duration) -> bool {
+    fn can_start(&self, lease: &Lease, handler_timeout: Duration) -> bool {
         if self.out_of_lease.load(Ordering::Relaxed) || !lease.can_start(handler_timeout) {
             self.out_of_lease.store(true, Ordering::Relaxed);
             return false;
@@ -656,7 +698,7 @@ mod tests {
             Ran::Failed(DeliveryOutcome::Retry {
                 attempts: 2,
                 error: "no".to_owned(),
-                retry_in: std::time::Duration::from_secs(1),
+                retry_in: Duration::from_secs(1),
             }),
         )]);
         let rest: Vec<_> = ran.into_iter().flatten().collect();
