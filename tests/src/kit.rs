@@ -146,6 +146,26 @@ pub struct Probe {
 }
 
 impl Probe {
+    /// Makes the next call of `subscriber` for (`aggregate`, `seq`) a [`Fail::Block`]: returns
+    /// what it notifies when it starts, and what releases it.
+    pub fn block(
+        &self,
+        subscriber: &str,
+        aggregate: Uuid,
+        seq: u32,
+    ) -> (Arc<tokio::sync::Notify>, Arc<tokio::sync::Notify>) {
+        let (entered, release) = (
+            Arc::new(tokio::sync::Notify::new()),
+            Arc::new(tokio::sync::Notify::new()),
+        );
+        let block = Fail::Block {
+            entered: entered.clone(),
+            release: release.clone(),
+        };
+        self.fail(subscriber, aggregate, seq, [block]);
+        (entered, release)
+    }
+
     /// Makes the next calls of `subscriber` for (`aggregate`, `seq`) fail as listed, in order.
     pub fn fail(
         &self,

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
-use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Probe, wait_for};
+use outbox_tests::kit::{OnlyX, Ping, PingPong, Probe, wait_for};
 use outbox_tests::my::TestMyDb;
 use sqlx::MySql;
 use tokio::sync::Notify;
@@ -77,16 +77,7 @@ async fn no_relay_transaction_stays_open_while_handlers_run() {
     let relay_outbox: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 2).await);
     let probe = Probe::default();
     let a = Uuid::new_v4();
-    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        a,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: release.clone(),
-        }],
-    );
+    let (entered, release) = probe.block("x", a, 1);
     let relay = Relay::new(relay_outbox.store(), OnlyX::new(&probe), config()).unwrap();
     publish_one(&outbox, a, 1).await;
     let task = tokio::spawn(async move { relay.run_once().await });

@@ -1272,16 +1272,7 @@ async fn a_slow_call_holds_back_only_its_own_aggregate<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
     let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
-    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        a,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: release.clone(),
-        }],
-    );
+    let (entered, release) = probe.block("x", a, 1);
     // (A handler timeout longer than the test waits: a's call ends only when released.)
     let config = config()
         .with_poll_interval(Duration::from_secs(30))
@@ -1458,16 +1449,7 @@ async fn graceful_shutdown_records_the_batch_in_progress<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
     let a = Uuid::new_v4();
-    let (entered, release) = (Arc::new(Notify::new()), Arc::new(Notify::new()));
-    probe.fail(
-        "x",
-        a,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: release.clone(),
-        }],
-    );
+    let (entered, release) = probe.block("x", a, 1);
     let relay = relay(&outbox, OnlyX::new(&probe), config());
     let id = publish_one(&outbox, a, 1).await;
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
