@@ -134,6 +134,9 @@ pub struct MySqlQueries {
     park: SqlStr,
     kill: SqlStr,
     unhold_by: SqlStr,
+    /// Releases what was set aside behind a claim of the aggregates (a JSON array of [type,
+    /// id as hex]) a record of part of it took out.
+    unhold_freed: SqlStr,
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
     release_deliveries: SqlStr,
@@ -402,7 +405,7 @@ LEFT JOIN {claims} AS k ON JSON_CONTAINS(k.event_ids, CAST(e.id AS CHAR))"#
                 "UPDATE {outbox} SET held_by = ?, held_behind = ? WHERE id = ?"
             )),
             share_claims: sql(format!(
-                "SELECT k.id FROM {} LOCK IN SHARE MODE",
+                "SELECT k.id, k.aggregates FROM {} LOCK IN SHARE MODE",
                 by_ids(&claims, "k", "PRIMARY", "id")
             )),
             // Due deliveries that are the first of their key: rows behind a head have no due
@@ -518,6 +521,17 @@ ORDER BY h.n, f.event_id"#
                 "UPDATE {outbox} SET dead_at = ?, last_error = ? WHERE id = ?"
             )),
             unhold_by: sql(format!("UPDATE {outbox} SET held_by = NULL WHERE held_by = ?")),
+            // (Through the aggregates' unpublished events, one index range each.)
+            unhold_freed: sql(format!(
+                "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (t VARCHAR(255) PATH '$[0]',
+                                                     a CHAR(32) PATH '$[1]')) AS f
+                 STRAIGHT_JOIN {outbox} AS o FORCE INDEX ({aggregate})
+                   ON o.unpublished_aggregate = UNHEX(f.a)
+                  AND o.aggregate_type = f.t COLLATE utf8mb4_bin
+                 SET o.held_by = NULL
+                 WHERE o.held_by = ?",
+                aggregate = index("_aggregate_idx")
+            )),
             delete_delivery: sql(format!(
                 "DELETE FROM {deliveries} WHERE subscriber = ? AND event_id = ? AND claim_id = ?"
             )),
@@ -874,13 +888,13 @@ LIMIT ?"#
                 None => Some((None, Some(blocker.id))),
             };
             if let Some(mark) = mark {
-                marks.push((id, mark));
+                marks.push((id, mark, aggregate));
             }
         }
         // (Asks for another claim at once even when a mark is dropped: its event is free.)
         let more = !marks.is_empty();
         let marks = hold_behind_claims(&mut tx, queries, marks).await?;
-        for (id, (by, behind)) in &marks {
+        for (id, (by, behind), _) in &marks {
             sqlx::query(queries.mark.clone())
                 .bind(by)
                 .bind(behind)
@@ -1108,16 +1122,20 @@ LIMIT ?"#
         } else {
             begin_locked(pool, queries).await?
         };
-        let live = if part {
-            shrink_claim(&mut tx, queries, token, now, outcomes).await?
+        // For a record of part of the claim, the aggregates it takes out of it.
+        let (live, freed) = if part {
+            match shrink_claim(&mut tx, queries, token, now, outcomes).await? {
+                Some(freed) => (true, freed),
+                None => (false, Vec::new()),
+            }
         } else {
-            sqlx::query(queries.end_claim.clone())
+            let ended = sqlx::query(queries.end_claim.clone())
                 .bind(token)
                 .bind(now)
                 .execute(&mut *tx)
                 .await?
-                .rows_affected()
-                == 1
+                .rows_affected();
+            (ended == 1, Vec::new())
         };
         if !live {
             tx.rollback().await?;
@@ -1161,10 +1179,18 @@ LIMIT ?"#
                 .await?;
         }
         // (Events neither published, parked nor dead are free again: the claim's row, which
-        // listed them, is gone, or no longer lists them.) What was held behind the claim waits
-        // for its end.
+        // listed them, is gone, or no longer lists them.) What was set aside behind the claim
+        // goes with it: all of it when the claim ends, that of the aggregates a part took out
+        // of it otherwise. (A claim that sets events aside behind this claim re-reads its row
+        // once this commits: `hold_behind_claims`.)
         if !part {
             sqlx::query(queries.unhold_by.clone())
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
+        } else if !freed.is_empty() {
+            sqlx::query(queries.unhold_freed.clone())
+                .bind(json!(freed).to_string())
                 .bind(token)
                 .execute(&mut *tx)
                 .await?;
@@ -1591,34 +1617,47 @@ async fn due_deliveries(
     Ok(due)
 }
 
-/// The marks of events set aside behind a claim, kept only for claims that are still there, each
-/// of whose rows is locked (shared) for the rest of the transaction: a record deleting it (and
-/// then releasing what is held behind it) waits until these marks are committed, and a claim
-/// already recorded sets nothing aside behind it. Marks behind dead or parked events pass as
-/// they are. A mark dropped is not lost: the event stays a candidate for the next claim.
+/// The marks of events set aside behind a claim, kept only for claims that still hold the
+/// event's aggregate, each of whose rows is locked (shared) for the rest of the transaction: a
+/// record deleting it (and then releasing what is held behind it) or taking aggregates out of
+/// it (and then releasing what is held behind those) waits until these marks are committed,
+/// and a claim already recorded, whole or in that part, sets nothing aside behind it: the
+/// claims' rows are read as they are now, not as the candidates' snapshot saw them. Marks behind
+/// dead or parked events pass as they are. A mark dropped is not lost: the event stays a
+/// candidate for the next claim.
 async fn hold_behind_claims(
     conn: &mut MySqlConnection,
     queries: &MySqlQueries,
     marks: Vec<Mark>,
 ) -> Result<Vec<Mark>, sqlx::Error> {
-    let claims: BTreeSet<i64> = marks.iter().filter_map(|(_, (by, _))| *by).collect();
+    let claims: BTreeSet<i64> = marks.iter().filter_map(|(_, (by, _), _)| *by).collect();
     if claims.is_empty() {
         return Ok(marks);
     }
-    let live: BTreeSet<i64> = sqlx::query_scalar(queries.share_claims.clone())
+    let rows: Vec<(i64, String)> = sqlx::query_as(queries.share_claims.clone())
         .bind(json!(claims).to_string())
         .fetch_all(conn)
-        .await?
-        .into_iter()
-        .collect();
+        .await?;
+    let mut held: HashSet<(i64, String, Uuid)> = HashSet::new();
+    for (claim, aggregates) in rows {
+        let aggregates: Vec<(String, String, i64)> =
+            serde_json::from_str(&aggregates).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+        for (aggregate_type, aggregate_id, _) in aggregates {
+            let aggregate_id =
+                Uuid::parse_str(&aggregate_id).map_err(|e| sqlx::Error::Decode(Box::new(e)))?;
+            held.insert((claim, aggregate_type, aggregate_id));
+        }
+    }
     Ok(marks
         .into_iter()
-        .filter(|(_, (by, _))| by.is_none_or(|claim| live.contains(&claim)))
+        .filter(|(_, (by, _), (aggregate_type, aggregate_id))| {
+            by.is_none_or(|claim| held.contains(&(claim, aggregate_type.clone(), *aggregate_id)))
+        })
         .collect())
 }
 
-/// An event set aside: (its id, (held by a claim, held behind an event)).
-type Mark = (i64, (Option<i64>, Option<i64>));
+/// An event set aside: (its id, (held by a claim, held behind an event), its aggregate).
+type Mark = (i64, (Option<i64>, Option<i64>), (String, Uuid));
 
 /// The first unpublished event of an aggregate that is not among the claim's candidates, and
 /// what holds it.
@@ -1667,7 +1706,7 @@ async fn shrink_claim(
     token: i64,
     now: PrimitiveDateTime,
     outcomes: &Outcomes,
-) -> Result<bool, sqlx::Error> {
+) -> Result<Option<Vec<(String, String)>>, sqlx::Error> {
     let Some((event_ids, aggregates)): Option<(String, String)> =
         sqlx::query_as(queries.claim_row.clone())
             .bind(token)
@@ -1675,22 +1714,24 @@ async fn shrink_claim(
             .fetch_optional(&mut *tx)
             .await?
     else {
-        return Ok(false);
+        return Ok(None);
     };
     let decode = |e: serde_json::Error| sqlx::Error::Decode(Box::new(e));
     let named: HashSet<i64> = outcomes.events.iter().map(|(id, _)| *id).collect();
     let mut event_ids: Vec<i64> = serde_json::from_str(&event_ids).map_err(decode)?;
     event_ids.retain(|id| !named.contains(id));
-    let mut aggregates: Vec<(String, String, i64)> =
-        serde_json::from_str(&aggregates).map_err(decode)?;
-    aggregates.retain(|(_, _, first)| !named.contains(first));
+    let (freed, kept): (Vec<(String, String, i64)>, _) =
+        serde_json::from_str::<Vec<(String, String, i64)>>(&aggregates)
+            .map_err(decode)?
+            .into_iter()
+            .partition(|(_, _, first)| named.contains(first));
     sqlx::query(queries.shrink_claim.clone())
         .bind(json!(event_ids).to_string())
-        .bind(json!(aggregates).to_string())
+        .bind(json!(kept).to_string())
         .bind(token)
         .execute(&mut *tx)
         .await?;
-    Ok(true)
+    Ok(Some(freed.into_iter().map(|(t, a, _)| (t, a)).collect()))
 }
 
 /// A live claim as the state query lists it: (id, lasted, [(aggregate type, aggregate id as

@@ -84,6 +84,11 @@ const MIGRATIONS: &[Migration] = &[
         "the relay scans pending events from a floor",
         include_str!("../migrations/postgres/0011_the_relay_scans_from_a_floor.sql"),
     ),
+    (
+        12,
+        "holds remember how many events their claim listed",
+        include_str!("../migrations/postgres/0012_holds_remember_how_many_events_their_claim.sql"),
+    ),
 ];
 
 /// The SQL of one set of tables.
@@ -612,11 +617,22 @@ ended AS (
        OR h.claim_id <> ALL(ARRAY(SELECT c.id FROM {claims} AS c WHERE c.id >= $6))
     RETURNING h.claim_id
 ),
+shrunk AS (
+    -- Live claims that let go of aggregates since events were set aside behind them (a record
+    -- of part of a claim takes whole aggregates out of it). Their holds are released too: an
+    -- event of an aggregate the claim still lists is set aside again by the next claim.
+    UPDATE {holds} AS h SET events = cardinality(c.event_ids)
+    FROM {claims} AS c
+    WHERE c.id = h.claim_id AND c.id >= $6 AND h.events > cardinality(c.event_ids)
+      AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))
+    RETURNING h.claim_id
+),
 released AS (
     -- Their events are pending again; the next claim takes them or sets them aside anew (as
     -- above, counted in the last row).
     UPDATE {outbox} SET held_by = NULL
-    WHERE held_by = ANY(ARRAY(SELECT e.claim_id FROM ended AS e))
+    WHERE held_by = ANY(ARRAY(SELECT e.claim_id FROM ended AS e
+                              UNION ALL SELECT s.claim_id FROM shrunk AS s))
     RETURNING 1
 ),
 active AS MATERIALIZED (
@@ -737,8 +753,12 @@ marked AS (
     RETURNING o.id
 ),
 new_holds AS (
-    INSERT INTO {holds} (claim_id)
-    SELECT DISTINCT d.mark_by FROM decided AS d WHERE d.mark_by IS NOT NULL
+    -- (With how many events the claim lists in this statement's snapshot: a record of part of
+    -- it that commits after the snapshot is found by a later claim, in `shrunk`.)
+    INSERT INTO {holds} (claim_id, events)
+    SELECT m.claim_id, (SELECT count(*) FROM active AS a WHERE a.claim_id = m.claim_id)
+    FROM (SELECT DISTINCT d.mark_by AS claim_id FROM decided AS d
+          WHERE d.mark_by IS NOT NULL) AS m
     ON CONFLICT DO NOTHING
 ),
 claimable AS MATERIALIZED (
@@ -1893,6 +1913,8 @@ fn lock_key(aggregate_id: Uuid) -> i32 {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::Arc;
+
     use outbox_tests::pg::TestDb;
     use serde_json::Value;
     use sqlx::AssertSqlSafe;
@@ -2612,6 +2634,89 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(held, 0);
+    }
+
+    /// A record of part of a claim that commits while another claim is setting an event aside
+    /// behind that claim (after the other claim's snapshot, before its write) leaves the event
+    /// held by a claim that no longer holds its aggregate: the record found nothing to release.
+    /// The next claim releases it, while the first claim still runs.
+    #[tokio::test]
+    async fn an_event_set_aside_behind_a_claim_while_part_of_it_is_recorded_is_released() {
+        let db = migrated().await;
+        let queries = Arc::new(Postgres::queries(&TableNames::default()));
+        let insert = |aggregate: Uuid| {
+            sqlx::query_scalar::<_, i64>(
+                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                 VALUES ('t', $1, 'E', '{}') RETURNING id",
+            )
+            .bind(aggregate)
+            .fetch_one(&db.pool)
+        };
+        let (x, y) = (Uuid::new_v4(), Uuid::new_v4());
+        insert(x).await.unwrap();
+        let y1 = insert(y).await.unwrap();
+        // A claim of x and y that has lasted.
+        let first = claim_ten(&db.pool, &queries).await;
+        assert_eq!(first.claims.len(), 2);
+        sqlx::query("UPDATE events.outbox_claims SET claimed_at = now() - interval '1 minute'")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        // y2 arrives; a claim that will set it aside waits for its row (locked here) once it
+        // has its snapshot.
+        let y2 = insert(y).await.unwrap();
+        let mut locker = db.pool.begin().await.unwrap();
+        sqlx::query("SELECT 1 FROM events.outbox WHERE id = $1 FOR UPDATE")
+            .bind(y2)
+            .execute(&mut *locker)
+            .await
+            .unwrap();
+        let claim = tokio::spawn({
+            let (pool, queries) = (db.pool.clone(), queries.clone());
+            async move { claim_ten(&pool, &queries).await }
+        });
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'
+                   AND query LIKE '%WITH gone AS%'",
+            )
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+            if waiting == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        // Meanwhile the first claim's y is recorded: the claim lets go of y.
+        let mut outcomes = Outcomes::default();
+        outcomes.events.push((y1, EventOutcome::Published));
+        let recorded = Postgres::record(&db.pool, &queries, first.token, &outcomes, true)
+            .await
+            .unwrap();
+        assert_eq!(recorded, Recorded::Applied);
+        locker.commit().await.unwrap();
+        let batch = claim.await.unwrap();
+        assert!(batch.is_empty() && batch.more, "{batch:?}");
+        let held_by: Option<i64> =
+            sqlx::query_scalar("SELECT held_by FROM events.outbox WHERE id = $1")
+                .bind(y2)
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        assert!(held_by.is_some(), "y2 was set aside behind the first claim");
+
+        // The next claims free y2 and take it, while the first claim still holds x.
+        let mut claimed = Vec::new();
+        for _ in 0..3 {
+            let batch = claim_ten(&db.pool, &queries).await;
+            claimed.extend(batch.claims.iter().map(Claim::event_id));
+            if !batch.more {
+                break;
+            }
+        }
+        assert_eq!(claimed, [y2], "y2 is claimed once its aggregate is free");
     }
 
     /// A lease runs from when the claim is granted, after any wait for the claim lock: a claim

@@ -117,6 +117,9 @@ pub struct SqliteQueries {
     /// One event of a claim given back by a record of part of it.
     release_event: SqlStr,
     unhold_by: SqlStr,
+    /// Releases what was set aside behind a claim of the aggregates it no longer holds (after
+    /// a record of part of it).
+    unhold_freed: SqlStr,
     delete_delivery: SqlStr,
     upsert_delivery: SqlStr,
     release_deliveries: SqlStr,
@@ -419,6 +422,12 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             )),
             unhold_by: sql(format!(
                 "UPDATE {outbox} SET held_by = NULL WHERE held_by = $1"
+            )),
+            unhold_freed: sql(format!(
+                "UPDATE {outbox} SET held_by = NULL
+                 WHERE held_by = $1 AND (aggregate_id, aggregate_type) NOT IN (
+                     SELECT e.aggregate_id, e.aggregate_type FROM {outbox} AS e
+                     WHERE e.claim_id = $1)"
             )),
             delete_delivery: sql(format!(
                 "DELETE FROM {deliveries} WHERE subscriber = $1 AND event_id = $2 AND claim_id = $3"
@@ -953,13 +962,19 @@ LIMIT $4"#
                 .execute(&mut *tx)
                 .await?;
         }
-        if !part {
-            for query in [&queries.release_events, &queries.unhold_by] {
-                sqlx::query(query.clone())
-                    .bind(token)
-                    .execute(&mut *tx)
-                    .await?;
-            }
+        // What was set aside behind the claim goes with it: all of it when the claim ends, that
+        // of the aggregates a part took out of it otherwise. (Claims and records are one
+        // writer at a time here: no claim sets an event aside behind what this takes out.)
+        let unhold: &[&SqlStr] = if part {
+            &[&queries.unhold_freed]
+        } else {
+            &[&queries.release_events, &queries.unhold_by]
+        };
+        for query in unhold {
+            sqlx::query((*query).clone())
+                .bind(token)
+                .execute(&mut *tx)
+                .await?;
         }
         for d in &outcomes.deliveries {
             let upsert =

@@ -5,7 +5,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Relay, RelayConfig};
+use outbox_core::store::{ClaimFilter, EventOutcome, Outcomes, Recorded};
+use outbox_core::{Relay, RelayConfig, Store};
 use outbox_sqlx::Outbox;
 use outbox_tests::kit::{OnlyX, Ping, PingPong, Probe, wait_for};
 use outbox_tests::my::TestMyDb;
@@ -159,6 +160,111 @@ async fn wait_for_lock_wait(db: &TestMyDb) {
             return;
         }
         assert!(tokio::time::Instant::now() < deadline, "no publisher waits");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A claim sets an event aside behind another claim only if that claim, read as it is once this
+/// claim holds its row in share mode, still lists the event's aggregate. Here a record of part
+/// of the first claim takes y out of it while a claim decides to set y's next event aside
+/// behind it (the record holds the claim's row, then waits for y1's row, locked here): the
+/// event must stay free for the next claim, not wait for the first claim's end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nothing_is_set_aside_behind_a_claim_for_an_aggregate_a_record_of_part_of_it_took_out() {
+    let (db, outbox) = setup().await;
+    let store = outbox.store();
+    let filter = ClaimFilter::default();
+    let lease = Duration::from_secs(60);
+    let (x, y) = (Uuid::new_v4(), Uuid::new_v4());
+    publish_one(&outbox, x, 1).await;
+    publish_one(&outbox, y, 1).await;
+    let first = store.claim(10, lease, &filter).await.unwrap();
+    assert_eq!(first.claims.len(), 2);
+    let y1 = last_event_of(&db, y).await;
+    // The claim has lasted: a claim sets its aggregates' later events aside behind it.
+    sqlx::query("UPDATE outbox_claims SET claimed_at = UTC_TIMESTAMP(6) - INTERVAL 1 MINUTE")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    publish_one(&outbox, y, 2).await;
+    let y2 = last_event_of(&db, y).await;
+
+    let mut locker = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT id FROM outbox WHERE id = ? FOR UPDATE")
+        .bind(y1)
+        .execute(&mut *locker)
+        .await
+        .unwrap();
+    let record = tokio::spawn({
+        let store = store.clone();
+        async move {
+            let mut outcomes = Outcomes::default();
+            outcomes.events.push((y1, EventOutcome::Published));
+            store.record_part(first.token, &outcomes).await.unwrap()
+        }
+    });
+    wait_for_statement(&db, "UPDATE JSON_TABLE%published_at%").await;
+    let claim = tokio::spawn({
+        let store = store.clone();
+        async move {
+            store
+                .claim(10, Duration::from_secs(60), &ClaimFilter::default())
+                .await
+                .unwrap()
+        }
+    });
+    wait_for_statement(&db, "%LOCK IN SHARE MODE%").await;
+    locker.commit().await.unwrap();
+    assert_eq!(record.await.unwrap(), Recorded::Applied);
+    let batch = claim.await.unwrap();
+    assert!(batch.claims.is_empty(), "{batch:?}");
+    let held_by: Option<i64> = sqlx::query_scalar("SELECT held_by FROM outbox WHERE id = ?")
+        .bind(y2)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(
+        held_by, None,
+        "y2 was set aside behind a claim that no longer holds y"
+    );
+    let next = store.claim(10, lease, &filter).await.unwrap();
+    let claimed: Vec<i64> = next
+        .claims
+        .iter()
+        .map(outbox_core::store::Claim::event_id)
+        .collect();
+    assert_eq!(claimed, [y2]);
+}
+
+/// The id of `aggregate`'s last event.
+async fn last_event_of(db: &TestMyDb, aggregate: Uuid) -> i64 {
+    sqlx::query_scalar("SELECT max(id) FROM outbox WHERE aggregate_id = ?")
+        .bind(aggregate)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap()
+}
+
+/// Waits until a session on the test database runs a statement like `pattern` (read from the
+/// process list).
+async fn wait_for_statement(db: &TestMyDb, pattern: &str) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let running: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM information_schema.processlist WHERE db = ? AND info LIKE ?",
+        )
+        .bind(db.name())
+        .bind(pattern)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        if running > 0 {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no session runs {pattern}"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

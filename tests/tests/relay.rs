@@ -38,6 +38,7 @@ on_every_backend!(
     a_key_waiting_alone_in_its_batch_for_a_retry_in_place_holds_back_no_other_aggregate,
     aggregates_freed_while_a_batch_still_waits_are_claimed_at_once,
     a_slow_call_holds_back_only_its_own_aggregate,
+    events_set_aside_behind_a_lasting_claim_go_once_their_aggregate_is_recorded,
     a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires,
     requeue_hands_dead_letters_back_to_the_relay,
     a_dead_undecodable_event_can_be_requeued_after_a_fix,
@@ -1266,6 +1267,16 @@ async fn aggregates_freed_while_a_batch_still_waits_are_claimed_at_once<B: TestB
     each_once_in_order(&probe, &[c], 2);
 }
 
+/// For a call blocked until the test releases it: a handler timeout longer than the test waits
+/// (and the lease to go with it), and a poll interval so long that only the relay's own
+/// wake-ups count.
+fn blocked_call_config() -> RelayConfig {
+    config()
+        .with_poll_interval(Duration::from_secs(30))
+        .with_lease(Duration::from_secs(150))
+        .with_handler_timeout(Duration::from_secs(60))
+}
+
 /// A call that takes long (a slow service, within the handler timeout) holds back only its own
 /// aggregate: the relay claims and delivers other aggregates' events beside it.
 async fn a_slow_call_holds_back_only_its_own_aggregate<B: TestBackend>() {
@@ -1273,12 +1284,7 @@ async fn a_slow_call_holds_back_only_its_own_aggregate<B: TestBackend>() {
     let probe = Probe::default();
     let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
     let (entered, release) = probe.block("x", a, 1);
-    // (A handler timeout longer than the test waits: a's call ends only when released.)
-    let config = config()
-        .with_poll_interval(Duration::from_secs(30))
-        .with_lease(Duration::from_secs(150))
-        .with_handler_timeout(Duration::from_secs(60));
-    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    let relay = relay(&outbox, OnlyX::new(&probe), blocked_call_config());
     publish_pings(&outbox, &[(a, 1), (c, 1)]).await;
     let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     entered.notified().await;
@@ -1297,6 +1303,49 @@ async fn a_slow_call_holds_back_only_its_own_aggregate<B: TestBackend>() {
     worker.abort();
     each_once_in_order(&probe, &[a, c], 2);
     each_once_in_order(&probe, &[b], 1);
+}
+
+/// A claim older than a second (a quarter lease at most) has its aggregates' new events set
+/// aside behind it (`held_by`) rather than skipped. When part of that claim is recorded (here c,
+/// whose slow call ended while a's still runs), the events set aside behind c must go with it:
+/// they must not wait for the claim's end, that is a's call.
+async fn events_set_aside_behind_a_lasting_claim_go_once_their_aggregate_is_recorded<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, c) = (Uuid::new_v4(), Uuid::new_v4());
+    let (a_entered, release_a) = probe.block("x", a, 1);
+    let (c_entered, release_c) = probe.block("x", c, 1);
+    let relay = relay(&outbox, OnlyX::new(&probe), blocked_call_config());
+    publish_pings(&outbox, &[(a, 1), (c, 1)]).await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    a_entered.notified().await;
+    c_entered.notified().await;
+
+    // Once the claim has lasted a second, a claim sets c's next event aside behind it.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    publish_pings(&outbox, &[(c, 2)]).await;
+    for _ in 0..2000 {
+        if outbox.status().await.unwrap().held_events == 1 {
+            break;
+        }
+        tokio::time::sleep(ms(10)).await;
+    }
+    assert_eq!(
+        outbox.status().await.unwrap().held_events,
+        1,
+        "c's next event is held"
+    );
+
+    // c's call ends: c's part is recorded and its next event delivered while a's call runs.
+    release_c.notify_one();
+    delivered_while_waiting(&probe, (c, 2), a, 0).await;
+    release_a.notify_one();
+    wait_for(|| probe.delivered_to("x").len() == 3).await;
+    worker.abort();
+    each_once_in_order(&probe, &[c], 2);
+    each_once_in_order(&probe, &[a], 1);
 }
 
 async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_claim_expires<
