@@ -524,3 +524,11 @@ pub struct PurgeStep {
     /// the events too young to go.
     pub next: Option<PurgedUpTo>,
 }
+
+/// How old a claim must be before the events waiting behind it are set aside (out of the claim
+/// scan, until it ends or lets go of their aggregate): a claim is normally recorded within
+/// milliseconds, and setting its aggregates' later events aside would cost two writes each for
+/// nothing. One that lasts is a slow batch or a dead relay.
+pub(crate) fn hold_after(lease: Duration) -> Duration {
+    (lease / 4).min(Duration::from_secs(1))
+}

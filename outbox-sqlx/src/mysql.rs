@@ -50,7 +50,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    row_count, sealed, sql, subscribers_query,
+    hold_after, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -165,12 +165,6 @@ pub struct MySqlQueries {
     find_skippable_event: SqlStr,
     skip_event: SqlStr,
     record_skip: SqlStr,
-}
-
-/// How old a claim must be before the events waiting behind it are set aside; as on the other
-/// backends.
-fn hold_after(lease: Duration) -> Duration {
-    (lease / 4).min(Duration::from_secs(1))
 }
 
 /// `at + delay`, saturating.

@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    registry_of, row_count, sealed, sql, subscribers_query,
+    hold_after, registry_of, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -1879,14 +1879,6 @@ fn claim_from_row(row: &PgRow) -> Result<Claim, sqlx::Error> {
 
 fn count(value: i32) -> u32 {
     u32::try_from(value).unwrap_or(0)
-}
-
-/// How old a claim must be before the events waiting behind it are set aside (out of the claim
-/// scan, until it ends): a claim is normally recorded within milliseconds, and setting its
-/// aggregates' later events aside would cost two writes each for nothing. One that lasts is a
-/// slow batch or a dead relay.
-fn hold_after(lease: Duration) -> Duration {
-    (lease / 4).min(Duration::from_secs(1))
 }
 
 /// The payload as JSONB takes it, and the exact text when JSONB cannot hold it: JSONB refuses

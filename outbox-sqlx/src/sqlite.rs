@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    row_count, sealed, sql, subscribers_query,
+    hold_after, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -166,12 +166,6 @@ fn now() -> i64 {
 
 fn after(delay: Duration) -> i64 {
     now().saturating_add(i64::try_from(delay.as_micros()).unwrap_or(i64::MAX))
-}
-
-/// How old a claim must be before the events waiting behind it are set aside; as on
-/// PostgreSQL.
-fn hold_after(lease: Duration) -> Duration {
-    (lease / 4).min(Duration::from_secs(1))
 }
 
 /// The first line of the text column `c`, as failure groups compare errors.
