@@ -487,6 +487,8 @@ pub struct WatchedStore<S> {
     record_delay: Duration,
     /// How long each registration waits (see [`slow_registers`](Self::slow_registers)).
     register_delay: Duration,
+    /// How long each claim waits before it claims (see [`slow_claims`](Self::slow_claims)).
+    claim_delay: Duration,
     /// The records in flight.
     recording: Arc<std::sync::atomic::AtomicUsize>,
     /// How many claims started while handler calls ran and a record was in flight: claims
@@ -511,6 +513,7 @@ impl<S> WatchedStore<S> {
             claims: Arc::default(),
             record_delay: Duration::ZERO,
             register_delay: Duration::ZERO,
+            claim_delay: Duration::ZERO,
             recording: Arc::default(),
             claimed_while_recording: Arc::default(),
         }
@@ -520,6 +523,14 @@ impl<S> WatchedStore<S> {
     #[must_use]
     pub fn slow_records(mut self, delay: Duration) -> Self {
         self.record_delay = delay;
+        self
+    }
+
+    /// Makes every claim wait `delay` before it claims: a claim then takes a known time at
+    /// least, whatever the machine (the relay weighs its handlers against it).
+    #[must_use]
+    pub fn slow_claims(mut self, delay: Duration) -> Self {
+        self.claim_delay = delay;
         self
     }
 
@@ -600,6 +611,9 @@ impl<S: Store> Store for WatchedStore<S> {
         let busy = self.busy.load(SeqCst) > 0;
         if busy && self.recording.load(SeqCst) > 0 {
             self.claimed_while_recording.fetch_add(1, SeqCst);
+        }
+        if !self.claim_delay.is_zero() {
+            tokio::time::sleep(self.claim_delay).await;
         }
         let batch = self.inner.claim(limit, lease, filter).await?;
         if batch.is_empty() {

@@ -1575,15 +1575,20 @@ fn each_once_in_order(probe: &Probe, aggregates: &[Uuid], seqs: u32) {
     }
 }
 
-/// 300 events over 100 aggregates for `x`, in batches of 40 calls made one at a time: each
-/// batch takes about 100 ms, its claim a few. The store watches the probe's running calls.
+/// 300 events over 100 aggregates for `x`, whose calls take `call`, in batches of 40 (the
+/// first and those after slow calls a quarter) made one call at a time. The store watches the
+/// probe's running calls, and its claims take `call` at least: the relay claims ahead once
+/// what is left of a batch takes about two claims, so whatever the machine, each batch leaves
+/// time for that, its last two calls.
 async fn slow_batches<B: TestBackend>(
     outbox: &TestOutbox<B>,
     probe: &Probe,
     call: Duration,
 ) -> (Vec<Uuid>, WatchedStore<SqlStore<B>>, RelayConfig) {
     let aggregates = publish_rounds(outbox, probe, 100, 3, call).await;
-    let store = WatchedStore::new(outbox.store()).watching(probe.busy.clone());
+    let store = WatchedStore::new(outbox.store())
+        .watching(probe.busy.clone())
+        .slow_claims(call);
     let slow = config().with_batch_size(40).with_concurrency(1);
     (aggregates, store, slow)
 }
@@ -1730,9 +1735,8 @@ async fn claims_of_quick_calls<B: TestBackend>(
 async fn a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    // Calls of 10 ms: a batch (a quarter of 40, one call at a time) takes about 100 ms, longer
-    // than the relay's first claim, which registers it and which a loaded machine slows (only
-    // the first batch has no record before it to wait for).
+    // Calls of 10 ms: a batch (a quarter of 40, one call at a time) takes about 100 ms (only
+    // the first batch has no record before it to wait for: it is claimed ahead of).
     let (aggregates, store, slow) = slow_batches(&outbox, &probe, ms(10)).await;
     // Records that outlast a batch: a claim ahead that did not wait for the record before it
     // would start while it runs.
