@@ -50,6 +50,7 @@ on_every_backend!(
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
     a_claim_is_timed_without_the_registration_before_it,
     a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded,
+    a_batch_claimed_ahead_starts_beside_the_last_calls_of_the_batch_before,
     a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first,
     a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim,
 );
@@ -1759,6 +1760,37 @@ async fn a_batch_is_claimed_ahead_only_once_the_batch_before_is_recorded<B: Test
         "claims made ahead while the record of the batch before ran ({ahead} claimed ahead)"
     );
     each_once_in_order(&probe, &aggregates, 3);
+}
+
+/// A batch claimed ahead starts as soon as the batch before it leaves a call slot idle, not
+/// when that batch's last call ends: here the batch before is one aggregate's 60 calls of
+/// 10 ms in a row, on one of two slots, and the batch claimed ahead another aggregate's event,
+/// published while those calls run.
+async fn a_batch_claimed_ahead_starts_beside_the_last_calls_of_the_batch_before<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let q = publish_rounds(&outbox, &probe, 1, 60, ms(10)).await[0];
+    // Claims of 200 ms: the claim ahead starts when about 400 ms of calls are left, and ends
+    // with about 200 ms left.
+    let store = WatchedStore::new(outbox.store()).slow_claims(ms(200));
+    let config = config()
+        .with_poll_interval(Duration::from_secs(30))
+        .with_batch_size(400)
+        .with_concurrency(2);
+    let relay = Relay::new(store, OnlyX::new(&probe), config).unwrap();
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    wait_for(|| !probe.delivered_to("x").is_empty()).await;
+    let b = Uuid::new_v4();
+    publish_pings(&outbox, &[(b, 1)]).await;
+    wait_for(|| probe.delivered_to("x").contains(&(b, 1))).await;
+    let before = calls_for(&probe, q);
+    assert!(
+        before < 60,
+        "b's event waited for q's last call ({before} of q's calls before)"
+    );
+    wait_for(|| probe.delivered_to("x").len() == 61).await;
+    worker.abort();
+    each_once_in_order(&probe, &[q], 60);
 }
 
 async fn a_relay_stopping_gives_back_the_batch_it_claimed_ahead<B: TestBackend>() {

@@ -10,11 +10,14 @@
 //!
 //! The claim ahead is an ordinary claim: it leaves out every aggregate of the batch still
 //! running (a live claim holds them), as it would for another relay, so order per key holds.
+//! So the batch claimed ahead may start beside the last calls of the batch before: once it is
+//! claimed ([`Progress::next_claimed`]) and a call slot is idle, the batch before splits off
+//! (see `batch.rs`).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use tokio::sync::watch;
+use tokio::sync::{Notify, watch};
 use tokio::time::Instant;
 
 /// Where a batch is, for the claim ahead.
@@ -35,6 +38,10 @@ pub(super) struct Progress {
     calls: AtomicUsize,
     finished: AtomicUsize,
     phase: watch::Sender<Phase>,
+    /// The next batch is claimed and waits for this one: call slots this batch leaves idle
+    /// should go to it.
+    next_claimed: AtomicBool,
+    next_claimed_told: Notify,
 }
 
 impl Progress {
@@ -47,7 +54,25 @@ impl Progress {
             calls: AtomicUsize::new(0),
             finished: AtomicUsize::new(0),
             phase: watch::Sender::new(Phase::Running),
+            next_claimed: AtomicBool::new(false),
+            next_claimed_told: Notify::new(),
         }
+    }
+
+    /// The next batch is claimed: it waits for this one.
+    pub(super) fn next_claimed(&self) {
+        self.next_claimed.store(true, Ordering::Relaxed);
+        self.next_claimed_told.notify_one();
+    }
+
+    /// Whether the next batch is claimed.
+    pub(super) fn is_next_claimed(&self) -> bool {
+        self.next_claimed.load(Ordering::Relaxed)
+    }
+
+    /// Waits until told that the next batch is claimed (at once if told before).
+    pub(super) async fn next_claimed_told(&self) {
+        self.next_claimed_told.notified().await;
     }
 
     /// The batch plans `calls` handler calls.

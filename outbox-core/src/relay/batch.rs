@@ -105,7 +105,9 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// none is: the delivery loop records them at once (their later events need not wait) and
     /// claims more work beside the rest, which this returns. Each time the keys left hold it
     /// back again, the rest records the aggregates done meanwhile itself, and tells the loop
-    /// ([`Relay::freed`]).
+    /// ([`Relay::freed`]). Once the batch after is claimed ahead and a call slot is idle
+    /// ([`Calls::leaves_room`]), an empty first part is sent, so that the loop starts that batch
+    /// beside this one's last calls; what is done is then recorded with the rest.
     pub(super) async fn deliver_batch(
         &self,
         claims: Vec<Claim>,
@@ -163,6 +165,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     parts_recorded &= applied;
                 }
                 () = calls.held_back.notified(), if parts => {}
+                () = progress.next_claimed_told(), if parts => {}
                 () = &mut stall, if parts => {
                     let now = Instant::now();
                     let next = calls.last_end() + STALLED_AFTER;
@@ -171,10 +174,21 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             // (Checked after each event: a part record ending, or a queue, may leave the
             // batch held back, with more aggregates done.)
-            if !parts || recording.is_some() || !parts_recorded || !calls.held_back() {
+            if !parts || recording.is_some() || !parts_recorded {
                 continue;
             }
-            let mut done = done_aggregates(&plan, &ran);
+            // (The batch claimed ahead starts beside this one's last calls through an empty
+            // first part: the aggregates done are recorded with the rest, as they would have
+            // been with the whole batch, for no record more.)
+            let held_back = calls.held_back();
+            let room = split.is_some() && calls.leaves_room();
+            if !(held_back || room) {
+                continue;
+            }
+            let mut done = match held_back {
+                true => done_aggregates(&plan, &ran),
+                false => HashSet::new(),
+            };
             done.retain(|a| !recorded.contains(a));
             // (The first part goes to the delivery loop even when empty: the loop then claims
             // other aggregates' work instead of waiting for these keys.)
@@ -422,6 +436,14 @@ impl Calls<'_> {
                 && self.permits.available_permits() > 0)
     }
 
+    /// Whether the batch claimed ahead of this one should start beside its last calls: it is
+    /// claimed, and a call slot is idle (no call of this batch waits for a permit).
+    fn leaves_room(&self) -> bool {
+        self.running.load(Ordering::Relaxed) > 0
+            && self.progress.is_next_claimed()
+            && self.permits.available_permits() > 0
+    }
+
     /// When the last call ended (the batch's start if none has).
     fn last_end(&self) -> Instant {
         self.started + Duration::from_micros(self.last_end.load(Ordering::Relaxed))
@@ -430,7 +452,7 @@ impl Calls<'_> {
     /// Tells the batch when a queue starts waiting for a retry in place and that holds it
     /// back.
     fn note_waiting(&self) {
-        if self.held_back() {
+        if self.held_back() || self.leaves_room() {
             self.held_back.notify_one();
         }
     }

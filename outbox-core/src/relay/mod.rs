@@ -182,6 +182,15 @@ struct Ahead {
     took: Duration,
 }
 
+/// Outcomes the delivery loop records while it delivers the next batch: a whole batch's, or
+/// the first part of a batch that split to let the batch claimed ahead of it start (`part`
+/// then tells the rest whether it was recorded: the rest records itself only after it).
+struct Unrecorded {
+    token: ClaimToken,
+    outcomes: Outcomes,
+    part: Option<tokio::sync::oneshot::Sender<bool>>,
+}
+
 /// What the delivery loop knows for claiming ahead.
 #[derive(Default)]
 struct Lookahead {
@@ -345,7 +354,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         let parts = self.store.records_parts();
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
-        let mut unrecorded: Option<(ClaimToken, Outcomes)> = None;
+        let mut unrecorded: Option<Unrecorded> = None;
         // When the earliest retry or parked event this relay recorded is due: an idle relay
         // looks again then, not only after its poll interval.
         let mut next_due: Option<Instant> = None;
@@ -359,12 +368,13 @@ impl<S: Store, R: Router> Relay<S, R> {
         };
         loop {
             if (&mut shutdown).now_or_never().is_some() {
-                let given_back = lookahead.next.take().map(|ahead| {
-                    let outcomes = self.give_back(ahead.batch.claims);
-                    (ahead.batch.token, outcomes)
+                let given_back = lookahead.next.take().map(|ahead| Unrecorded {
+                    outcomes: self.give_back(ahead.batch.claims),
+                    token: ahead.batch.token,
+                    part: None,
                 });
-                for (token, outcomes) in unrecorded.into_iter().chain(given_back) {
-                    self.record_or_log(token, &outcomes, false).await;
+                for unrecorded in unrecorded.into_iter().chain(given_back) {
+                    self.record_unrecorded(unrecorded).await;
                 }
                 return;
             }
@@ -375,12 +385,13 @@ impl<S: Store, R: Router> Relay<S, R> {
             let next = self.claim_and_deliver(&mut lookahead, permits, parts, recorded);
             let claimed = match unrecorded.take() {
                 None => next.await,
-                Some((token, outcomes)) => {
+                Some(unrecorded) => {
                     let record = async {
-                        self.record_or_log(token, &outcomes, false).await;
+                        let outcomes = self.record_unrecorded(unrecorded).await;
                         record_done.send_replace(true);
+                        outcomes
                     };
-                    let claimed = tokio::join!(record, next).1;
+                    let (outcomes, claimed) = tokio::join!(record, next);
                     note_due(&mut next_due, &outcomes);
                     claimed
                 }
@@ -393,7 +404,11 @@ impl<S: Store, R: Router> Relay<S, R> {
                         continue;
                     }
                     if report.made_progress() {
-                        unrecorded = Some((token, outcomes));
+                        unrecorded = Some(Unrecorded {
+                            token,
+                            outcomes,
+                            part: None,
+                        });
                         continue;
                     }
                     // Everything was given back: record that, then wait for news (unless a
@@ -434,11 +449,24 @@ impl<S: Store, R: Router> Relay<S, R> {
                     };
                     // (The receiver outlives this loop.)
                     let _ = to_finish.send(Box::pin(finish));
-                    // Recorded before the next claim, which may then take the later events of
-                    // the aggregates it frees.
-                    let recorded = !report.lost && self.record_or_log(token, &outcomes, true).await;
-                    note_due(&mut next_due, &outcomes);
-                    let _ = part_recorded.send(recorded);
+                    if report.lost {
+                        let _ = part_recorded.send(false);
+                    } else if lookahead.next.is_some() {
+                        // The next batch is claimed already (the batch split to let it start):
+                        // the part is recorded while it runs, as a whole batch would be, and
+                        // before any claim after it.
+                        unrecorded = Some(Unrecorded {
+                            token,
+                            outcomes,
+                            part: Some(part_recorded),
+                        });
+                    } else {
+                        // Recorded before the next claim, which may then take the later events
+                        // of the aggregates it frees.
+                        let recorded = self.record_or_log(token, &outcomes, true).await;
+                        note_due(&mut next_due, &outcomes);
+                        let _ = part_recorded.send(recorded);
+                    }
                 }
                 // Events were set aside, or the batch just recorded may have held some back:
                 // look again at once.
@@ -470,6 +498,21 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
             }
         }
+    }
+
+    /// Records outcomes the delivery loop left to record beside its next batch; tells a part's
+    /// rest whether the part was recorded. Returns the outcomes.
+    async fn record_unrecorded(&self, unrecorded: Unrecorded) -> Outcomes {
+        let Unrecorded {
+            token,
+            outcomes,
+            part,
+        } = unrecorded;
+        let recorded = self.record_or_log(token, &outcomes, part.is_some()).await;
+        if let Some(part) = part {
+            let _ = part.send(recorded);
+        }
+        outcomes
     }
 
     /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
@@ -610,6 +653,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
         };
         let lease = Lease::new(batch.token, self.config.lease, sent);
+        // The batch in progress splits once it leaves call slots idle, and this one starts.
+        progress.next_claimed();
         tokio::select! {
             biased;
             () = progress.wait_over() => {}
