@@ -2557,6 +2557,17 @@ mod tests {
         assert_eq!(left, 0);
     }
 
+    /// Inserts one event of `aggregate` (type `t`, event type `E`) by SQL; returns its id.
+    async fn insert_event(pool: &PgPool, aggregate: Uuid) -> Result<i64, sqlx::Error> {
+        sqlx::query_scalar(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             VALUES ('t', $1, 'E', '{}') RETURNING id",
+        )
+        .bind(aggregate)
+        .fetch_one(pool)
+        .await
+    }
+
     /// Claims and records as a relay would, until a claim finds nothing; returns the event ids
     /// claimed, in order.
     async fn drain_ids(pool: &PgPool, queries: &PgQueries) -> Vec<i64> {
@@ -2591,14 +2602,7 @@ mod tests {
         let db = migrated().await;
         let queries = Postgres::queries(&TableNames::default());
         let x = Uuid::new_v4();
-        let insert = || {
-            sqlx::query_scalar::<_, i64>(
-                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-                 VALUES ('t', $1, 'E', '{}') RETURNING id",
-            )
-            .bind(x)
-            .fetch_one(&db.pool)
-        };
+        let insert = || insert_event(&db.pool, x);
         // A relay claims e1 and dies; its claim has lasted.
         let e1 = insert().await.unwrap();
         let first = claim_ten(&db.pool, &queries).await;
@@ -2636,14 +2640,7 @@ mod tests {
     async fn an_event_set_aside_behind_a_claim_while_part_of_it_is_recorded_is_released() {
         let db = migrated().await;
         let queries = Arc::new(Postgres::queries(&TableNames::default()));
-        let insert = |aggregate: Uuid| {
-            sqlx::query_scalar::<_, i64>(
-                "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-                 VALUES ('t', $1, 'E', '{}') RETURNING id",
-            )
-            .bind(aggregate)
-            .fetch_one(&db.pool)
-        };
+        let insert = |aggregate: Uuid| insert_event(&db.pool, aggregate);
         let (x, y) = (Uuid::new_v4(), Uuid::new_v4());
         insert(x).await.unwrap();
         let y1 = insert(y).await.unwrap();

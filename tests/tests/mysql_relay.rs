@@ -146,22 +146,7 @@ async fn a_publisher_waiting_for_its_aggregate_holds_no_other_aggregate_back() {
 /// Waits until a session on the test database is in its aggregate's lock statement (read from
 /// the process list: a lock wait does not always show in `innodb_trx`).
 async fn wait_for_lock_wait(db: &TestMyDb) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM information_schema.processlist
-             WHERE db = ? AND info LIKE 'UPDATE %aggregate_locks%'",
-        )
-        .bind(db.name())
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if waiting > 0 {
-            return;
-        }
-        assert!(tokio::time::Instant::now() < deadline, "no publisher waits");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_for_statement(db, "UPDATE %aggregate_locks%").await;
 }
 
 /// A claim sets an event aside behind another claim only if that claim, read as it is once this
