@@ -66,6 +66,14 @@
 #![cfg_attr(feature = "mysql", doc = include_str!("../docs/mysql.md"))]
 #![doc(test(attr(deny(warnings))))]
 
+// Without a database there is nothing to store events in: say so once, rather than with a
+// warning for every piece that only a backend uses.
+#[cfg(not(any(feature = "postgres", feature = "sqlite", feature = "mysql")))]
+compile_error!(
+    "outbox-sqlx needs a database: enable one of its features `postgres` (the default), \
+     `sqlite` or `mysql`"
+);
+
 mod backend;
 #[cfg(feature = "console")]
 pub mod console;
