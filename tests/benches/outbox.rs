@@ -111,6 +111,34 @@ impl Options {
     }
 }
 
+/// What `--help` prints (the options of this file's documentation).
+const USAGE: &str = "\
+usage: cargo bench -p outbox-tests --bench outbox -- [SCENARIO...] [OPTION...]
+
+scenarios: producer, drain, sustained, latency, naive, handlers (f), writes (g), failures (2b),
+  transactional (h), nats (i), mysql (j), all (these, the default); by hand: soak, pressure
+options:
+  --runs N              runs per scenario, the median reported (3)
+  --events N            events of a drain (200000)
+  --seconds N           length of a producer run (5)
+  --window N            how long lag must stay flat in `sustained` (60)
+  --soak-minutes N      (10)
+  --pressure-minutes N  (5)
+  --batch N             the relay's batch size in handlers, writes, failures, transactional,
+                        nats and the tuned drain (the default otherwise)
+  --concurrency N       the relay's concurrency, in the same scenarios
+  --raw-batch N         how many events a cycle of the raw loop claims in `drain` (500)";
+
+/// Says what is wrong with the command line, and how it goes, and exits.
+#[allow(
+    clippy::print_stderr,
+    reason = "the bench's command line is wrong: said where errors go"
+)]
+fn usage_error(what: &str) -> ! {
+    eprintln!("{what}\n\n{USAGE}");
+    std::process::exit(2)
+}
+
 fn options() -> Options {
     let mut options = Options {
         scenarios: Vec::new(),
@@ -129,7 +157,7 @@ fn options() -> Options {
         let mut number = |name: &str| -> u64 {
             args.next()
                 .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("{name} takes a number"))
+                .unwrap_or_else(|| usage_error(&format!("{name} takes a number")))
         };
         match arg.as_str() {
             "--bench" => {}
@@ -142,9 +170,37 @@ fn options() -> Options {
             "--batch" => options.batch = Some(number("--batch") as u32),
             "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
             "--raw-batch" => options.raw_batch = number("--raw-batch") as i64,
+            "--help" | "-h" => {
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             scenario if !scenario.starts_with('-') => options.scenarios.push(scenario.to_owned()),
-            other => panic!("unknown option {other}"),
+            other => usage_error(&format!("unknown option {other}")),
         }
+    }
+    // (Checked before any runs: a misspelt name after a long scenario would waste it.)
+    const KNOWN: [&str; 14] = [
+        "all",
+        "producer",
+        "drain",
+        "sustained",
+        "latency",
+        "naive",
+        "handlers",
+        "writes",
+        "failures",
+        "transactional",
+        "nats",
+        "mysql",
+        "soak",
+        "pressure",
+    ];
+    if let Some(unknown) = options
+        .scenarios
+        .iter()
+        .find(|s| !KNOWN.contains(&s.as_str()))
+    {
+        usage_error(&format!("unknown scenario {unknown}"));
     }
     if options.scenarios.is_empty() || options.scenarios.iter().any(|s| s == "all") {
         options.scenarios = [
