@@ -161,7 +161,12 @@ fn options() -> Options {
         };
         match arg.as_str() {
             "--bench" => {}
-            "--runs" => options.runs = number("--runs") as usize,
+            "--runs" => {
+                options.runs = number("--runs") as usize;
+                if options.runs == 0 {
+                    usage_error("--runs takes 1 or more");
+                }
+            }
             "--events" => options.events = number("--events"),
             "--seconds" => options.seconds = number("--seconds"),
             "--window" => options.window = number("--window"),
