@@ -20,6 +20,8 @@ use uuid::Uuid;
 on_every_backend!(
     a_renamed_event_type_and_subscriber_keep_their_stored_work,
     relays_of_two_builds_leave_each_other_what_only_the_other_routes,
+    a_relay_run_from_two_tasks_stays_registered_while_one_of_them_runs,
+    a_relay_run_again_registers_at_its_first_claim,
 );
 
 /// The old build's event.
@@ -391,6 +393,134 @@ async fn relays_of_two_builds_leave_each_other_what_only_the_other_routes<B: Tes
     let status = new.status().await.unwrap();
     assert_eq!(status.unroutable_events, 1);
     assert!(status.oldest_unroutable_age.is_some());
+}
+
+/// The live relays the store counts, once it counts `n` (within 2 s: a relay renews its
+/// registration every 10 s, so nothing here waits for a renewal).
+async fn wait_for_live_relays<B: TestBackend, R: Router>(outbox: &Outbox<B, R>, n: u64) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+    loop {
+        let live = outbox.status().await.unwrap().live_relays;
+        if live == n {
+            return;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{live} live relays, not {n}, after 2 s"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A relay whose `run` is started from several tasks (workers sharing one relay) stays
+/// registered until the last of them stops: another build's relay reads the registry to know
+/// which subscribers it lacks, and fans an event out without them once a build is gone, so a
+/// build that looked gone while it still ran would miss those events.
+async fn a_relay_run_from_two_tasks_stays_registered_while_one_of_them_runs<B: TestBackend>() {
+    let (_db, old) = outbox::<B, OldRelease>().await;
+    let new = Outbox::<B, NewRelease>::new(old.pool().clone());
+    let (old_calls, new_calls) = (Calls::default(), Calls::default());
+    let old_relay = Relay::new(
+        old.store(),
+        OldRelease {
+            mailer: OldMailer(old_calls.clone()),
+        },
+        config(Duration::from_secs(3600)),
+    )
+    .unwrap();
+    let new_relay = Arc::new(
+        Relay::new(
+            new.store(),
+            NewRelease {
+                notifier: NewNotifier(new_calls.clone()),
+                auditor: Auditor(new_calls.clone()),
+            },
+            config(Duration::from_secs(3600)),
+        )
+        .unwrap(),
+    );
+    let workers: Vec<_> = (0..2)
+        .map(|_| {
+            let (relay, stop) = (Arc::clone(&new_relay), Arc::new(tokio::sync::Notify::new()));
+            let worker = tokio::spawn({
+                let stop = Arc::clone(&stop);
+                async move { relay.run(stop.notified()).await }
+            });
+            (stop, worker)
+        })
+        .collect();
+    old_relay.run_once().await.unwrap();
+    wait_for_live_relays(&old, 2).await;
+
+    // One of the new build's workers stops; the other works on.
+    let (stop, worker) = &workers[0];
+    stop.notify_one();
+    while !worker.is_finished() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(
+        old.status().await.unwrap().live_relays,
+        2,
+        "the new build is still at work"
+    );
+
+    // So the old build still fans its events out to the new build's `auditor`, which the
+    // worker left delivers.
+    let b = Uuid::new_v4();
+    let mut tx = old.begin().await.unwrap();
+    tx.publish(&BotAdded { bot: b, seq: 1 }).await.unwrap();
+    tx.commit().await.unwrap();
+    let report = old_relay.run_once().await.unwrap();
+    assert_eq!(report.claimed, 1, "{report:?}");
+    let audited = || {
+        new_calls
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|c| c.0 == "auditor" && c.2 == b)
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !audited() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "b's event never reached `auditor`"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (stop, worker) = &workers[1];
+    stop.notify_one();
+    while !worker.is_finished() {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    wait_for_live_relays(&old, 1).await;
+}
+
+/// A relay stopped and run again is registered again by its first claim, not at its next
+/// renewal (10 s after the registration its stop ended).
+async fn a_relay_run_again_registers_at_its_first_claim<B: TestBackend>() {
+    let (_db, new) = outbox::<B, NewRelease>().await;
+    let relay = Arc::new(
+        Relay::new(
+            new.store(),
+            NewRelease {
+                notifier: NewNotifier(Calls::default()),
+                auditor: Auditor(Calls::default()),
+            },
+            config(Duration::from_secs(3600)),
+        )
+        .unwrap(),
+    );
+    for round in 0..2 {
+        let stop = Arc::new(tokio::sync::Notify::new());
+        let worker = tokio::spawn({
+            let (relay, stop) = (Arc::clone(&relay), Arc::clone(&stop));
+            async move { relay.run(stop.notified()).await }
+        });
+        wait_for_live_relays(&new, 1).await;
+        stop.notify_one();
+        worker.await.unwrap();
+        assert_eq!(new.status().await.unwrap().live_relays, 0, "round {round}");
+    }
 }
 
 #[test]

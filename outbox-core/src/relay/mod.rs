@@ -98,6 +98,35 @@ pub struct Relay<S, R> {
     /// Told when a record made beside the delivery loop (of a split batch's later part or its
     /// rest) freed aggregates: an idle loop claims their later events at once.
     freed: tokio::sync::Notify,
+    /// How many `run`s of this relay are under way: the last to stop ends its registration.
+    runs: std::sync::atomic::AtomicUsize,
+}
+
+/// One `run` under way, counted in [`Relay::runs`] until it leaves (or is dropped: aborted).
+struct RunUnderWay<'a> {
+    runs: &'a std::sync::atomic::AtomicUsize,
+    left: bool,
+}
+
+impl<'a> RunUnderWay<'a> {
+    fn enter(runs: &'a std::sync::atomic::AtomicUsize) -> Self {
+        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Self { runs, left: false }
+    }
+
+    /// Leaves; true when no other `run` is under way.
+    fn leave(mut self) -> bool {
+        self.left = true;
+        self.runs.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1
+    }
+}
+
+impl Drop for RunUnderWay<'_> {
+    fn drop(&mut self) {
+        if !self.left {
+            self.runs.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
 }
 
 /// When a running relay next reports its status and purges old events.
@@ -245,6 +274,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             chores: Mutex::new(Chores::new()),
             builds: builds::Builds::new(&R::catalog()),
             freed: tokio::sync::Notify::new(),
+            runs: std::sync::atomic::AtomicUsize::new(0),
         })
     }
 
@@ -279,7 +309,13 @@ impl<S: Store, R: Router> Relay<S, R> {
     ///
     /// The chores (the status gauges, retention) run beside the deliveries on their own
     /// schedule: a slow or stuck purge never delays a batch, nor the return after `shutdown`.
+    ///
+    /// One relay may run from several tasks at once (shared in an `Arc`): each `run` claims
+    /// and delivers batches of its own, on its task, the chores are done once between them,
+    /// and the relay stays registered (other builds count on its subscribers) until the last
+    /// of them returns.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) {
+        let under_way = RunUnderWay::enter(&self.runs);
         let deliveries = std::pin::pin!(self.deliver_until(shutdown));
         let chores = std::pin::pin!(self.chores());
         tokio::select! {
@@ -287,8 +323,17 @@ impl<S: Store, R: Router> Relay<S, R> {
             () = deliveries => {}
             never = chores => match never {},
         }
-        // Other builds stop counting on it now, not when its registration expires.
-        self.builds.unregister(&self.store).await;
+        // Other builds stop counting on it now, not when its registration expires; but not
+        // while another `run` of it works on (they would fan events out without its
+        // subscribers). A `run` started while the registration ended registers again at once.
+        if under_way.leave() {
+            self.builds.unregister(&self.store).await;
+            if self.runs.load(std::sync::atomic::Ordering::SeqCst) > 0
+                && let Err(error) = self.builds.renew(&self.store, &self.router).await
+            {
+                tracing::debug!(%error, "outbox relay could not register again; its next claim will");
+            }
+        }
     }
 
     /// Does the chores when they are due, for ever.
