@@ -111,6 +111,23 @@ impl Options {
     }
 }
 
+/// The scenarios of `all`, in the order they run.
+const ALL: [&str; 11] = [
+    "producer",
+    "drain",
+    "sustained",
+    "latency",
+    "naive",
+    "handlers",
+    "writes",
+    "failures",
+    "transactional",
+    "nats",
+    "mysql",
+];
+/// The scenarios run only when named.
+const BY_HAND: [&str; 2] = ["soak", "pressure"];
+
 /// What `--help` prints (the options of this file's documentation).
 const USAGE: &str = "\
 usage: cargo bench -p outbox-tests --bench outbox -- [SCENARIO...] [OPTION...]
@@ -184,45 +201,15 @@ fn options() -> Options {
         }
     }
     // (Checked before any runs: a misspelt name after a long scenario would waste it.)
-    const KNOWN: [&str; 14] = [
-        "all",
-        "producer",
-        "drain",
-        "sustained",
-        "latency",
-        "naive",
-        "handlers",
-        "writes",
-        "failures",
-        "transactional",
-        "nats",
-        "mysql",
-        "soak",
-        "pressure",
-    ];
     if let Some(unknown) = options
         .scenarios
         .iter()
-        .find(|s| !KNOWN.contains(&s.as_str()))
+        .find(|s| !(*s == "all" || ALL.contains(&s.as_str()) || BY_HAND.contains(&s.as_str())))
     {
         usage_error(&format!("unknown scenario {unknown}"));
     }
     if options.scenarios.is_empty() || options.scenarios.iter().any(|s| s == "all") {
-        options.scenarios = [
-            "producer",
-            "drain",
-            "sustained",
-            "latency",
-            "naive",
-            "handlers",
-            "writes",
-            "failures",
-            "transactional",
-            "nats",
-            "mysql",
-        ]
-        .map(str::to_owned)
-        .to_vec();
+        options.scenarios = ALL.map(str::to_owned).to_vec();
     }
     options
 }
