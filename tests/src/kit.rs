@@ -494,6 +494,9 @@ pub struct WatchedStore<S> {
     /// How many claims started while handler calls ran and a record was in flight: claims
     /// made ahead of a batch before the record of the batch before it ended.
     pub claimed_while_recording: Arc<std::sync::atomic::AtomicUsize>,
+    /// Held by each claim while it runs: whoever holds it holds the claims back (see
+    /// [`claims_pause`](Self::claims_pause)).
+    pause: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl<S> WatchedStore<S> {
@@ -516,7 +519,14 @@ impl<S> WatchedStore<S> {
             claim_delay: Duration::ZERO,
             recording: Arc::default(),
             claimed_while_recording: Arc::default(),
+            pause: Arc::default(),
         }
+    }
+
+    /// A lock each claim holds while it runs: locked (`pause.lock().await`, which waits for
+    /// the claim in flight, if any), no claim runs until the guard is dropped.
+    pub fn claims_pause(&self) -> Arc<tokio::sync::Mutex<()>> {
+        Arc::clone(&self.pause)
     }
 
     /// Makes every record (whole or of a part) wait `delay` before it records.
@@ -615,7 +625,10 @@ impl<S: Store> Store for WatchedStore<S> {
         if !self.claim_delay.is_zero() {
             tokio::time::sleep(self.claim_delay).await;
         }
-        let batch = self.inner.claim(limit, lease, filter).await?;
+        let paused = self.pause.lock().await;
+        let batch = self.inner.claim(limit, lease, filter).await;
+        drop(paused);
+        let batch = batch?;
         if batch.is_empty() {
             self.idle.notify_one();
         } else {
