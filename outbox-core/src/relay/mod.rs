@@ -23,6 +23,7 @@ mod plan;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -99,32 +100,32 @@ pub struct Relay<S, R> {
     /// rest) freed aggregates: an idle loop claims their later events at once.
     freed: tokio::sync::Notify,
     /// How many `run`s of this relay are under way: the last to stop ends its registration.
-    runs: std::sync::atomic::AtomicUsize,
+    runs: AtomicUsize,
 }
 
 /// One `run` under way, counted in [`Relay::runs`] until it leaves (or is dropped: aborted).
 struct RunUnderWay<'a> {
-    runs: &'a std::sync::atomic::AtomicUsize,
+    runs: &'a AtomicUsize,
     left: bool,
 }
 
 impl<'a> RunUnderWay<'a> {
-    fn enter(runs: &'a std::sync::atomic::AtomicUsize) -> Self {
-        runs.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    fn enter(runs: &'a AtomicUsize) -> Self {
+        runs.fetch_add(1, SeqCst);
         Self { runs, left: false }
     }
 
     /// Leaves; true when no other `run` is under way.
     fn leave(mut self) -> bool {
         self.left = true;
-        self.runs.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1
+        self.runs.fetch_sub(1, SeqCst) == 1
     }
 }
 
 impl Drop for RunUnderWay<'_> {
     fn drop(&mut self) {
         if !self.left {
-            self.runs.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            self.runs.fetch_sub(1, SeqCst);
         }
     }
 }
@@ -274,7 +275,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             chores: Mutex::new(Chores::new()),
             builds: builds::Builds::new(&R::catalog()),
             freed: tokio::sync::Notify::new(),
-            runs: std::sync::atomic::AtomicUsize::new(0),
+            runs: AtomicUsize::new(0),
         })
     }
 
@@ -328,7 +329,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         // subscribers). A `run` started while the registration ended registers again at once.
         if under_way.leave() {
             self.builds.unregister(&self.store).await;
-            if self.runs.load(std::sync::atomic::Ordering::SeqCst) > 0
+            if self.runs.load(SeqCst) > 0
                 && let Err(error) = self.builds.renew(&self.store, &self.router).await
             {
                 tracing::debug!(%error, "outbox relay could not register again; its next claim will");
