@@ -230,6 +230,9 @@ pub struct ClaimFilter {
     pub skip_event_types: Vec<String>,
     /// Subscribers whose deliveries to leave pending.
     pub skip_subscribers: Vec<String>,
+    /// Aggregates of an earlier claim of the same relay whose later events this claim may take
+    /// although that claim still lists them ([`Store::claims_take_over`]).
+    pub take_over: Option<TakeOver>,
 }
 
 impl ClaimFilter {
@@ -238,12 +241,45 @@ impl ClaimFilter {
         Self {
             skip_event_types,
             skip_subscribers,
+            take_over: None,
+        }
+    }
+
+    /// The same filter, taking over `take_over`'s aggregates.
+    #[must_use]
+    pub fn taking_over(&self, take_over: TakeOver) -> Self {
+        Self {
+            take_over: Some(take_over),
+            ..self.clone()
         }
     }
 
     /// Whether it leaves nothing.
     pub fn is_empty(&self) -> bool {
         self.skip_event_types.is_empty() && self.skip_subscribers.is_empty()
+    }
+}
+
+/// Aggregates of claim `claim` whose work in it is done: every event of theirs it lists was
+/// handled (published, each handler call delivered) and the record that says so is under way
+/// while the relay claims again. A store that [takes them over](Store::claims_take_over)
+/// treats them, in that claim, as if the record had ended: their later events may be claimed
+/// at once (so that a relay whose batch held every aggregate with work need not wait for its
+/// record to claim the next one). The relay starts no handler of those events until the
+/// record is applied, and gives them back if it is not, so their order holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct TakeOver {
+    /// The earlier claim.
+    pub claim: ClaimToken,
+    /// Its aggregates taken over: (type, id).
+    pub aggregates: Vec<(String, Uuid)>,
+}
+
+impl TakeOver {
+    /// `aggregates` of `claim`, taken over.
+    pub fn new(claim: ClaimToken, aggregates: Vec<(String, Uuid)>) -> Self {
+        Self { claim, aggregates }
     }
 }
 
@@ -591,6 +627,13 @@ pub trait Store: Send + Sync + 'static {
     /// Whether [`record_part`](Self::record_part) is implemented; false by default (the relay
     /// then records each batch whole, when its last call is done).
     fn records_parts(&self) -> bool {
+        false
+    }
+
+    /// Whether [`claim`](Self::claim) honours [`ClaimFilter::take_over`]; false by default (the
+    /// filter's aggregates then stay held until the record of their claim ends, which is
+    /// correct too).
+    fn claims_take_over(&self) -> bool {
         false
     }
 

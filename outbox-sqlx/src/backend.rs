@@ -35,6 +35,10 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         events: &[NewEvent],
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// Whether [`claim`](Self::claim) honours [`ClaimFilter::take_over`].
+    #[doc(hidden)]
+    const CLAIMS_TAKE_OVER: bool = false;
+
     #[doc(hidden)]
     fn claim(
         pool: &Pool<Self>,

@@ -639,6 +639,10 @@ impl<DB: Backend> Store for SqlStore<DB> {
         true
     }
 
+    fn claims_take_over(&self) -> bool {
+        DB::CLAIMS_TAKE_OVER
+    }
+
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
         crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which, None)
             .await

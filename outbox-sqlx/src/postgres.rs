@@ -268,6 +268,8 @@ fn first_line(c: &str) -> String {
 impl Backend for Postgres {
     type Queries = PgQueries;
 
+    const CLAIMS_TAKE_OVER: bool = true;
+
     fn queries(names: &TableNames) -> PgQueries {
         let outbox = names.qualified("");
         let deliveries = names.qualified("_deliveries");
@@ -644,9 +646,17 @@ active AS MATERIALIZED (
     WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))
 ),
 claimed_aggregates AS MATERIALIZED (
+    -- The aggregates the live claims hold, less those this relay takes over from its claim $9
+    -- ($10, $11: their work in it is done, and its record under way; `TakeOver`). (Their
+    -- events in that claim stay in `active`: only their later ones may be claimed.)
     SELECT a.aggregate_type, a.aggregate_id, min(a.claim_id) AS claim_id,
            min(a.claimed_at) AS claimed_at
-    FROM active AS a GROUP BY a.aggregate_type, a.aggregate_id
+    FROM active AS a
+    WHERE a.claim_id IS DISTINCT FROM $9
+       OR (a.aggregate_id, a.aggregate_type) NOT IN (
+              SELECT t.aggregate_id, t.aggregate_type
+              FROM unnest($11::uuid[], $10::text[]) AS t(aggregate_id, aggregate_type))
+    GROUP BY a.aggregate_type, a.aggregate_id
 ),
 put_back AS MATERIALIZED (
     -- How many times events were put back below floors.
@@ -1176,6 +1186,10 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .scan_from();
+        let take_over = filter.take_over.as_ref();
+        let (take_over_types, take_over_ids): (Vec<&str>, Vec<Uuid>) = take_over
+            .map(|t| t.aggregates.iter().map(|(t, id)| (t.as_str(), *id)).unzip())
+            .unwrap_or_default();
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
         #[cfg(feature = "_fault-injection")]
         crate::__fault_injection::claim_lock_held();
@@ -1188,6 +1202,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(queries.claims_floor.load(Relaxed))
             .bind(events_floor)
             .bind(released)
+            .bind(take_over.map(|t| t.claim.get()))
+            .bind(take_over_types)
+            .bind(take_over_ids)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -1913,6 +1930,7 @@ mod tests {
 
     use super::*;
     use crate::Outbox;
+    use outbox_core::store::TakeOver;
 
     /// A fresh database with the outbox tables in their default names.
     /// The latest migration: tests that stop at an older one and then claim go on to it (the
@@ -2098,7 +2116,8 @@ mod tests {
             .unwrap();
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8) AS {}",
+                "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8, int8, text[],
+                               uuid[]) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -2109,7 +2128,7 @@ mod tests {
         let explained: String = sqlx::query(AssertSqlSafe(format!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
              EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
-                           {released})"
+                           {released}, NULL, '{{}}', '{{}}')"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -2345,6 +2364,66 @@ mod tests {
             "a claim read {pages} pages of the outbox ({EVENTS} published events kept): {plan:#}"
         );
         held.execute("ROLLBACK").await.unwrap();
+    }
+
+    /// A claim that takes over aggregates of an earlier claim of its relay (whose record is
+    /// under way) takes their later events; without it, or naming another claim, it leaves
+    /// them to wait for that claim's end. The earlier claim's own events stay with it.
+    #[tokio::test]
+    async fn a_claim_takes_over_the_aggregates_its_relay_names_and_no_others() {
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let none = ClaimFilter::default();
+        let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+        let insert = |aggregates: &[Uuid]| {
+            let aggregates = aggregates.to_vec();
+            let pool = db.pool.clone();
+            async move {
+                sqlx::query_scalar::<_, i64>(
+                    "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                     SELECT 't', a, 'E', '{}' FROM unnest($1::uuid[]) WITH ORDINALITY AS x(a, n)
+                     ORDER BY n RETURNING id",
+                )
+                .bind(aggregates)
+                .fetch_all(&pool)
+                .await
+                .unwrap()
+            }
+        };
+        let claim = |filter: ClaimFilter| {
+            let pool = db.pool.clone();
+            let queries = &queries;
+            async move {
+                let batch = Postgres::claim(&pool, queries, 10, Duration::from_secs(60), &filter)
+                    .await
+                    .unwrap();
+                let ids: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
+                (batch.token, ids)
+            }
+        };
+        let first = insert(&[a, b]).await;
+        let (earlier, ids) = claim(none.clone()).await;
+        assert_eq!(ids, first, "the earlier claim holds a and b");
+        let later = insert(&[a, b, c]).await;
+        let (_, ids) = claim(none.clone()).await;
+        assert_eq!(ids, vec![later[2]], "a and b wait for the earlier claim");
+
+        let elsewhere = TakeOver::new(ClaimToken::new(earlier.get() + 1000), vec![("t".into(), a)]);
+        let (_, ids) = claim(none.taking_over(elsewhere)).await;
+        assert_eq!(ids, Vec::<i64>::new(), "another claim's name frees nothing");
+        let (_, ids) = claim(none.taking_over(TakeOver::new(earlier, vec![("t".into(), a)]))).await;
+        assert_eq!(
+            ids,
+            vec![later[0]],
+            "a's later event is taken over, b's is not"
+        );
+        let listed: Vec<i64> =
+            sqlx::query_scalar("SELECT unnest(event_ids) FROM events.outbox_claims WHERE id = $1")
+                .bind(earlier.get())
+                .fetch_all(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(listed, first, "the earlier claim keeps its events");
     }
 
     /// Events held back cost a claim a bounded amount of work, however many: an aggregate with

@@ -481,6 +481,10 @@ impl<S: Store> Store for Counting<S> {
         self.inner.records_parts()
     }
 
+    fn claims_take_over(&self) -> bool {
+        self.inner.claims_take_over()
+    }
+
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
         self.inner.requeue(which).await
     }

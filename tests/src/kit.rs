@@ -483,6 +483,9 @@ pub struct WatchedStore<S> {
     pub claimed_ahead: Arc<tokio::sync::Notify>,
     /// Each claim that found work: (events asked for, claimed events and deliveries).
     pub claims: Arc<Mutex<Vec<(u32, usize)>>>,
+    /// How many claims that took over aggregates of the claim before
+    /// ([`ClaimFilter::take_over`](outbox_core::store::ClaimFilter::take_over)) found work.
+    pub took_over: Arc<std::sync::atomic::AtomicUsize>,
     /// How long each record waits before it records (see [`slow_records`](Self::slow_records)).
     record_delay: Duration,
     /// How long each registration waits (see [`slow_registers`](Self::slow_registers)).
@@ -514,6 +517,7 @@ impl<S> WatchedStore<S> {
             claimed_while_busy: Arc::default(),
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
             claims: Arc::default(),
+            took_over: Arc::default(),
             record_delay: Duration::ZERO,
             register_delay: Duration::ZERO,
             claim_delay: Duration::ZERO,
@@ -636,6 +640,9 @@ impl<S: Store> Store for WatchedStore<S> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push((limit, batch.claims.len()));
+            if filter.take_over.is_some() {
+                self.took_over.fetch_add(1, SeqCst);
+            }
             if busy {
                 self.claimed_while_busy.fetch_add(1, SeqCst);
                 self.claimed_ahead.notify_one();
@@ -689,6 +696,10 @@ impl<S: Store> Store for WatchedStore<S> {
 
     fn records_parts(&self) -> bool {
         self.inner.records_parts()
+    }
+
+    fn claims_take_over(&self) -> bool {
+        self.inner.claims_take_over()
     }
 
     async fn requeue(
