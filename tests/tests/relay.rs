@@ -53,6 +53,7 @@ on_every_backend!(
     a_batch_claimed_ahead_starts_beside_the_last_calls_of_the_batch_before,
     a_relay_with_quick_handlers_claims_its_whole_batch_after_the_first,
     a_batch_split_for_a_retry_in_place_is_followed_by_a_whole_claim,
+    a_batch_whose_record_is_lost_hands_its_aggregates_on_only_in_order,
 );
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -1393,6 +1394,72 @@ async fn a_part_of_a_batch_that_cannot_be_recorded_is_delivered_again_after_its_
         tokio::time::sleep(ms(20)).await;
     }
     worker.abort();
+}
+
+/// The claim made beside a batch's record may take over the aggregates the batch handled
+/// cleanly (PostgreSQL does), but their calls wait for that record: when it is lost, the events
+/// taken over are given back, and each aggregate's events are handled again from the first one
+/// the lost record left unpublished. No event is handled after a later one of its aggregate,
+/// redeliveries included.
+async fn a_batch_whose_record_is_lost_hands_its_aggregates_on_only_in_order<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // The first claim is a quarter of the batch: a's and b's first events. The record of
+    // that batch is lost (five tries: every try of the relay's), and the claim beside it finds
+    // only their later events.
+    publish_pings::<B>(&outbox, &[(a, 1), (b, 1)]).await;
+    let store = WatchedStore::new(outbox.store())
+        .losing_records(5)
+        .slow_records(ms(20));
+    let (lost, took_over) = (store.lost_records.clone(), store.took_over.clone());
+    let config = config()
+        .with_batch_size(8)
+        .with_lease(Duration::from_secs(2))
+        .with_handler_timeout(ms(500));
+    let relay = Relay::new(store, OnlyX::new(&probe), config).unwrap();
+    let (entered, release) = probe.block("x", a, 1);
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    // (The later events are there before the first batch ends.)
+    entered.notified().await;
+    publish_pings::<B>(&outbox, &[(a, 2), (b, 2), (a, 3), (b, 3)]).await;
+    release.notify_one();
+    wait_for(|| lost.load(std::sync::atomic::Ordering::SeqCst) == 5).await;
+    for aggregate in [a, b] {
+        wait_for(|| {
+            probe
+                .delivered_to("x")
+                .iter()
+                .any(|&(x, seq)| x == aggregate && seq == 3)
+        })
+        .await;
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !outbox.status().await.unwrap().is_empty() {
+        assert!(tokio::time::Instant::now() < deadline, "not settled");
+        tokio::time::sleep(ms(20)).await;
+    }
+    worker.abort();
+    for aggregate in [a, b] {
+        let seqs: Vec<u32> = probe
+            .delivered_to("x")
+            .into_iter()
+            .filter(|&(x, _)| x == aggregate)
+            .map(|(_, seq)| seq)
+            .collect();
+        assert!(
+            seqs.windows(2).all(|pair| pair[0] <= pair[1]),
+            "an event of {aggregate} was handled after a later one: {seqs:?}"
+        );
+        assert_eq!(seqs.first(), Some(&1));
+        assert_eq!(seqs.iter().filter(|&&seq| seq == 1).count(), 2, "{seqs:?}");
+    }
+    if outbox.store().claims_take_over() {
+        assert!(
+            took_over.load(std::sync::atomic::Ordering::SeqCst) > 0,
+            "no claim took over the lost batch's aggregates"
+        );
+    }
 }
 
 async fn requeue_hands_dead_letters_back_to_the_relay<B: TestBackend>() {

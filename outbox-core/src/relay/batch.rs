@@ -2,7 +2,7 @@
 //! order; a failure holds its key's later calls back; a handler starts only while the batch's
 //! claim outlasts the handler timeout. Then the outcomes are put together in claim order.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -93,7 +93,33 @@ impl Ran {
 pub(super) const STALLED_AFTER: Duration = Duration::from_millis(50);
 
 /// Where a batch that may be recorded in parts sends its first part.
-pub(super) type SplitTx = tokio::sync::oneshot::Sender<(BatchReport, Outcomes)>;
+pub(super) type SplitTx = tokio::sync::oneshot::Sender<(BatchReport, Outcomes, Clean)>;
+
+/// The aggregates of a batch (or part) whose work in it was all done: every event of theirs
+/// published, every handler call delivered. A claim beside its record may take them over
+/// ([`TakeOver`](crate::store::TakeOver)).
+pub(super) type Clean = Vec<(String, Uuid)>;
+
+/// The aggregates a batch took over from the claim before it, and the outcome of that claim's
+/// record (`None` while it runs; whether it was applied). No handler of their events starts
+/// before it is applied; if it is not, their claims are given back.
+pub(super) struct Gate {
+    pub(super) aggregates: HashSet<(String, Uuid)>,
+    pub(super) recorded: tokio::sync::watch::Receiver<Option<bool>>,
+}
+
+impl Gate {
+    fn holds(&self, aggregate: (&str, Uuid)) -> bool {
+        self.aggregates
+            .contains(&(aggregate.0.to_owned(), aggregate.1))
+    }
+
+    /// Whether the claims of `aggregate` are given back: it was taken over, and the record of
+    /// the claim before is not (yet) applied.
+    fn gives_back(&self, aggregate: (&str, Uuid)) -> bool {
+        *self.recorded.borrow() != Some(true) && self.holds(aggregate)
+    }
+}
 
 impl<S: Store, R: Router> Relay<S, R> {
     /// Hands claimed events and deliveries to their subscribers, in order per key, while `lease`
@@ -115,7 +141,8 @@ impl<S: Store, R: Router> Relay<S, R> {
         progress: &Progress,
         permits: &Semaphore,
         mut split: Option<SplitTx>,
-    ) -> (BatchReport, Outcomes) {
+        gate: Option<&Gate>,
+    ) -> (BatchReport, Outcomes, Clean) {
         let claimed = claims.len();
         let plan = self.plan(claims);
         progress.planned(plan.queues.iter().map(Vec::len).sum());
@@ -125,6 +152,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             split = None;
         }
         let calls = Calls {
+            gate,
             permits,
             out_of_lease: AtomicBool::new(false),
             retried_in_place: AtomicUsize::new(0),
@@ -207,12 +235,12 @@ impl<S: Store, R: Router> Relay<S, R> {
                     })
                 })
                 .collect();
-            let (report, outcomes) =
-                self.report(&plan, part, claimed, lease, &|a| done.contains(&a));
+            let (report, outcomes, clean) =
+                self.report(&plan, part, claimed, lease, &|a| done.contains(&a), gate);
             recorded.extend(done);
             match split.take() {
                 // (The receiver gone: the batch is over for its loop anyway.)
-                Some(split) => drop(split.send((report, outcomes))),
+                Some(split) => drop(split.send((report, outcomes, clean))),
                 None => {
                     let token = lease.token();
                     recording = Some(Box::pin(async move {
@@ -229,20 +257,28 @@ impl<S: Store, R: Router> Relay<S, R> {
             parts_recorded &= recording.await;
         }
         let ran: Vec<Vec<(Step, Ran)>> = ran.into_iter().flatten().collect();
-        let (mut report, mut outcomes) =
-            self.report(&plan, ran, claimed, lease, &|a| !recorded.contains(&a));
+        let (mut report, mut outcomes, mut clean) = self.report(
+            &plan,
+            ran,
+            claimed,
+            lease,
+            &|a| !recorded.contains(&a),
+            gate,
+        );
         if !parts_recorded {
             // A part's record failed: its deliveries stay marked with this claim, which only
             // its expiry gives back; recording the rest would end the claim first. Nothing
             // more is recorded, and the claim's work is delivered again when it expires.
             outcomes = Outcomes::default();
+            clean = Clean::new();
         }
         report.retried_in_place = calls.retried_in_place.load(Ordering::Relaxed);
-        (report, outcomes)
+        (report, outcomes, clean)
     }
 
     /// The outcomes of the claims of `plan` whose aggregate is `in_part`, from the calls `ran`,
-    /// and their report.
+    /// their report, and their clean aggregates. The claims of aggregates the `gate` gives back
+    /// are given back.
     fn report(
         &self,
         plan: &Plan<Decoded>,
@@ -250,8 +286,10 @@ impl<S: Store, R: Router> Relay<S, R> {
         claimed: usize,
         lease: &Lease,
         in_part: &dyn Fn((&str, Uuid)) -> bool,
-    ) -> (BatchReport, Outcomes) {
-        let (delivered, outcomes) = assemble(plan, ran, in_part);
+        gate: Option<&Gate>,
+    ) -> (BatchReport, Outcomes, Clean) {
+        let given_back = |a: (&str, Uuid)| gate.is_some_and(|gate| gate.gives_back(a));
+        let (delivered, outcomes, clean) = assemble_with(plan, ran, in_part, &given_back);
         let mut report = BatchReport {
             claimed,
             delivered,
@@ -259,7 +297,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             ..BatchReport::default()
         };
         tally(&outcomes, &mut report);
-        (report, outcomes)
+        (report, outcomes, clean)
     }
 
     fn plan(&self, claims: Vec<Claim>) -> Plan<Decoded> {
@@ -280,7 +318,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .iter()
             .map(|queue| queue.iter().map(|&step| (step, Ran::NoLease)).collect())
             .collect();
-        assemble(&plan, ran, &|_| true).1
+        assemble_with(&plan, ran, &|_| true, &|_| false).1
     }
 
     /// Makes one key's calls in order until one fails; the rest are held back. The key holds
@@ -310,6 +348,26 @@ impl<S: Store, R: Router> Relay<S, R> {
         calls: &Calls<'_>,
     ) -> Vec<(Step, Ran)> {
         let mut ran = Vec::with_capacity(queue.len());
+        // A key of an aggregate taken over from the claim before waits for that claim's
+        // record; if it is not applied, none of its calls is made (the claims are given back).
+        let aggregate = queue
+            .first()
+            .and_then(|step| plan.claims[step.claim].aggregate());
+        if let (Some(gate), Some(aggregate)) = (calls.gate, aggregate)
+            && gate.holds(aggregate)
+        {
+            let mut recorded = gate.recorded.clone();
+            let applied = matches!(
+                recorded.wait_for(Option::is_some).await.as_deref(),
+                Ok(Some(true))
+            );
+            if !applied {
+                for &step in queue {
+                    calls.ran(&mut ran, step, Ran::NoLease);
+                }
+                return ran;
+            }
+        }
         let mut failed = false;
         // Held from the key's first call to its last, as a worker would hold the key, but
         // while it waits for a retry. (The semaphore is never closed.)
@@ -401,6 +459,8 @@ impl<S: Store, R: Router> Relay<S, R> {
 
 /// What the queues of one batch share.
 struct Calls<'a> {
+    /// What it took over from the claim before.
+    gate: Option<&'a Gate>,
     /// The handler calls that may run at once: the relay's concurrency.
     permits: &'a Semaphore,
     /// Set once a call could not start for want of lease: no more start.
@@ -485,11 +545,24 @@ impl Calls<'_> {
 ///
 /// Only the claims whose aggregate is `in_part` are assembled (`ran` has their calls): a batch
 /// recorded in parts is split by aggregate.
+#[cfg(test)]
 fn assemble<D>(
     plan: &Plan<D>,
     ran: Vec<Vec<(Step, Ran)>>,
     in_part: &dyn Fn((&str, Uuid)) -> bool,
 ) -> (usize, Outcomes) {
+    let (delivered, outcomes, _) = assemble_with(plan, ran, in_part, &|_| false);
+    (delivered, outcomes)
+}
+
+/// [`assemble`], giving back every claim of the aggregates `given_back` names; also returns
+/// the aggregates whose claims all ended clean (each event published, each call delivered).
+fn assemble_with<D>(
+    plan: &Plan<D>,
+    ran: Vec<Vec<(Step, Ran)>>,
+    in_part: &dyn Fn((&str, Uuid)) -> bool,
+    given_back: &dyn Fn((&str, Uuid)) -> bool,
+) -> (usize, Outcomes, Clean) {
     let mut results: Vec<Vec<Option<Ran>>> = plan
         .claims
         .iter()
@@ -506,11 +579,55 @@ fn assemble<D>(
     }
     let release_whole = given_back_whole(&plan.claims, &results);
     let mut outcomes = Outcomes::default();
+    // Per aggregate of the part, in order: whether every claim of it so far ended clean.
+    let mut clean: Vec<((&str, Uuid), bool)> = Vec::new();
+    let mut seen: HashMap<(&str, Uuid), usize> = HashMap::new();
     for ((claim, results), release) in plan.claims.iter().zip(results).zip(release_whole) {
-        if !claim.aggregate().is_none_or(in_part) {
+        let aggregate = claim.aggregate();
+        if !aggregate.is_none_or(in_part) {
             continue;
         }
+        let given_back = aggregate.is_some_and(given_back);
+        let ended_clean = !given_back
+            && match claim {
+                Planned::Event { outcome, .. } => *outcome == EventOutcome::Published,
+                Planned::Delivery(record) => record.outcome == DeliveryOutcome::Delivered,
+                Planned::FanOut { slots, .. } => {
+                    !release
+                        && slots.iter().zip(&results).all(|(slot, result)| {
+                            matches!((&slot.slot, result), (Slot::Run, Some(Ran::Delivered)))
+                        })
+                }
+                Planned::Again { .. } => matches!(results.first(), Some(Some(Ran::Delivered))),
+            };
+        if let Some(aggregate) = aggregate {
+            let index = *seen.entry(aggregate).or_insert_with(|| {
+                clean.push((aggregate, true));
+                clean.len() - 1
+            });
+            clean[index].1 &= ended_clean;
+        }
         match claim {
+            // (Its calls were not made: the claim before it was not recorded.)
+            Planned::Event { id, .. } if given_back => {
+                outcomes.events.push((*id, EventOutcome::Released));
+            }
+            Planned::Delivery(record) if given_back => outcomes.deliveries.push(DeliveryRecord {
+                outcome: DeliveryOutcome::Released,
+                ..record.clone()
+            }),
+            Planned::FanOut { event, .. } if given_back => {
+                outcomes.events.push((event.id, EventOutcome::Released));
+            }
+            Planned::Again {
+                event, subscriber, ..
+            } if given_back => {
+                outcomes.deliveries.push(record(
+                    event,
+                    subscriber.clone(),
+                    DeliveryOutcome::Released,
+                ));
+            }
             Planned::Event { id, outcome, .. } => outcomes.events.push((*id, outcome.clone())),
             Planned::Delivery(record) => outcomes.deliveries.push(record.clone()),
             Planned::FanOut { event, .. } if release => {
@@ -543,7 +660,12 @@ fn assemble<D>(
             }
         }
     }
-    (delivered, outcomes)
+    let clean = clean
+        .into_iter()
+        .filter(|(_, clean)| *clean)
+        .map(|((aggregate_type, id), _)| (aggregate_type.to_owned(), id))
+        .collect();
+    (delivered, outcomes, clean)
 }
 
 /// The aggregates of `plan` none of whose queues is still running (`ran` has the results of
@@ -672,6 +794,55 @@ mod tests {
 
     fn step(claim: usize, slot: usize, ran: Ran) -> (Step, Ran) {
         (Step { claim, slot }, ran)
+    }
+
+    /// The aggregates a claim beside a batch's record may take over are those whose every call
+    /// was delivered; the claims of aggregates taken over whose record was not applied are all
+    /// given back, called or not.
+    #[test]
+    fn clean_aggregates_are_taken_over_and_given_back_whole() {
+        // Aggregate 1: events 10 and 12 for x; aggregate 2: event 11 for x and y.
+        let plan = Plan {
+            claims: vec![
+                fan_out(10, 1, &["x"]),
+                fan_out(11, 2, &["x", "y"]),
+                fan_out(12, 1, &["x"]),
+            ],
+            queues: vec![
+                vec![Step { claim: 0, slot: 0 }, Step { claim: 2, slot: 0 }],
+                vec![Step { claim: 1, slot: 0 }],
+                vec![Step { claim: 1, slot: 1 }],
+            ],
+        };
+        let ran = || {
+            vec![
+                vec![step(0, 0, Ran::Delivered), step(2, 0, Ran::Delivered)],
+                vec![step(1, 0, Ran::Delivered)],
+                vec![step(
+                    1,
+                    1,
+                    Ran::Failed(DeliveryOutcome::Retry {
+                        attempts: 1,
+                        error: "no".to_owned(),
+                        retry_in: Duration::from_secs(1),
+                    }),
+                )],
+            ]
+        };
+        let (_, _, clean) = assemble_with(&plan, ran(), &|_| true, &|_| false);
+        assert_eq!(clean, [("t".to_owned(), Uuid::from_u128(1))]);
+
+        let one = ("t", Uuid::from_u128(1));
+        let (_, outcomes, clean) = assemble_with(&plan, ran(), &|_| true, &|a| a == one);
+        assert_eq!(
+            outcomes.events,
+            [
+                (10, EventOutcome::Released),
+                (11, EventOutcome::Published),
+                (12, EventOutcome::Released)
+            ]
+        );
+        assert!(clean.is_empty(), "{clean:?}");
     }
 
     #[test]

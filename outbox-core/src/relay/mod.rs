@@ -20,6 +20,7 @@ mod config;
 mod lease;
 mod plan;
 
+use std::borrow::Cow;
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
@@ -34,13 +35,14 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use ahead::Progress;
+use batch::{Clean, Gate};
 pub use config::{RelayConfig, Retention};
 use lease::Lease;
 
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
 use crate::store::{
-    Batch, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store,
+    Batch, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store, TakeOver,
 };
 use crate::telemetry;
 
@@ -219,6 +221,9 @@ struct Unrecorded {
     token: ClaimToken,
     outcomes: Outcomes,
     part: Option<tokio::sync::oneshot::Sender<bool>>,
+    /// Its aggregates whose work is all done: the claim made beside its record may take them
+    /// over.
+    clean: Clean,
 }
 
 /// What the delivery loop knows for claiming ahead.
@@ -239,14 +244,15 @@ struct Lookahead {
 
 /// What a relay's claim gave.
 enum Claimed<'a> {
-    /// A batch, delivered: its token, report and outcomes.
-    Delivered(ClaimToken, BatchReport, Outcomes),
+    /// A batch, delivered: its token, report, outcomes and clean aggregates.
+    Delivered(ClaimToken, BatchReport, Outcomes, Clean),
     /// A batch whose aggregates that are done are to be recorded now (the outcomes), while
     /// `rest` runs the keys waiting for a retry in place and gives the rest of the outcomes.
     Split {
         token: ClaimToken,
         report: BatchReport,
         outcomes: Outcomes,
+        clean: Clean,
         rest: Running<'a>,
     },
     /// No work; `more` when the store may find some if asked again at once.
@@ -254,7 +260,7 @@ enum Claimed<'a> {
 }
 
 /// A batch's delivery under way: its report and outcomes when it is done.
-type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes)> + Send + 'a>>;
+type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes, Clean)> + Send + 'a>>;
 
 /// What the rests of split batches, finished beside the delivery loop, tell it.
 #[derive(Default)]
@@ -298,9 +304,11 @@ impl<S: Store, R: Router> Relay<S, R> {
     ///
     /// The outcomes of one batch are recorded while the next batch is claimed and delivered
     /// (until its outcomes are recorded, the claim of a batch holds its aggregates' later events
-    /// back, so order is kept). When the handlers are slower than the store (a batch runs
-    /// longer than a claim takes), the next batch is claimed while the last calls of the batch
-    /// run, so that it is ready when they end; that claim leaves out the aggregates of the
+    /// back, so order is kept). A store that [takes over](Store::claims_take_over) lets that
+    /// claim take the later events of the aggregates the batch handled cleanly: their calls
+    /// wait for the record, and are given back if it is not applied. When the handlers are
+    /// slower than the store (a batch runs longer than a claim takes), the next batch is
+    /// claimed while the last calls of the batch run, so that it is ready when they end; that claim leaves out the aggregates of the
     /// batch still running, as another relay's would. A relay stopping with such a batch gives
     /// it back unstarted.
     ///
@@ -398,6 +406,7 @@ impl<S: Store, R: Router> Relay<S, R> {
     ) {
         let mut shutdown = std::pin::pin!(shutdown);
         let parts = self.store.records_parts();
+        let takes_over = self.store.claims_take_over();
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<Unrecorded> = None;
@@ -418,6 +427,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     outcomes: self.give_back(ahead.batch.claims),
                     token: ahead.batch.token,
                     part: None,
+                    clean: Clean::new(),
                 });
                 for unrecorded in unrecorded.into_iter().chain(given_back) {
                     self.record_unrecorded(unrecorded).await;
@@ -426,15 +436,20 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             let recording = unrecorded.is_some();
             // The last batch is recorded while the next one is claimed and delivered; a claim
-            // ahead of that one waits for the record (`recorded`).
-            let (record_done, recorded) = tokio::sync::watch::channel(!recording);
-            let next = self.claim_and_deliver(&mut lookahead, permits, parts, recorded);
+            // ahead of that one waits for the record (`recorded`: whether it was applied). The
+            // claim beside the record may take over its clean aggregates.
+            let (record_done, recorded) = tokio::sync::watch::channel((!recording).then_some(true));
+            let take_over = unrecorded
+                .as_ref()
+                .filter(|unrecorded| takes_over && !unrecorded.clean.is_empty())
+                .map(|unrecorded| TakeOver::new(unrecorded.token, unrecorded.clean.clone()));
+            let next = self.claim_and_deliver(&mut lookahead, permits, parts, recorded, take_over);
             let claimed = match unrecorded.take() {
                 None => next.await,
                 Some(unrecorded) => {
                     let record = async {
-                        let outcomes = self.record_unrecorded(unrecorded).await;
-                        record_done.send_replace(true);
+                        let (outcomes, applied) = self.record_unrecorded(unrecorded).await;
+                        record_done.send_replace(Some(applied));
                         outcomes
                     };
                     let (outcomes, claimed) = tokio::join!(record, next);
@@ -443,7 +458,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
             };
             match claimed {
-                Ok(Claimed::Delivered(token, report, outcomes)) => {
+                Ok(Claimed::Delivered(token, report, outcomes, clean)) => {
                     failures.reset();
                     if report.lost {
                         // Counted and logged by the lease; the store would refuse the record.
@@ -454,6 +469,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                             token,
                             outcomes,
                             part: None,
+                            clean,
                         });
                         continue;
                     }
@@ -471,6 +487,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     token,
                     report,
                     outcomes,
+                    clean,
                     rest,
                 }) => {
                     failures.reset();
@@ -479,7 +496,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     // for. It records itself after this part.
                     let (part_recorded, was_recorded) = tokio::sync::oneshot::channel();
                     let finish = async move {
-                        let (report, outcomes) = rest.await;
+                        let (report, outcomes, _) = rest.await;
                         // (Not after a part that could not be recorded: its deliveries stay
                         // marked with the claim, which only its expiry gives back.)
                         let recorded = was_recorded.await.unwrap_or(false);
@@ -497,14 +514,16 @@ impl<S: Store, R: Router> Relay<S, R> {
                     let _ = to_finish.send(Box::pin(finish));
                     if report.lost {
                         let _ = part_recorded.send(false);
-                    } else if lookahead.next.is_some() {
+                    } else if lookahead.next.is_some() || takes_over {
                         // The next batch is claimed already (the batch split to let it start):
                         // the part is recorded while it runs, as a whole batch would be, and
-                        // before any claim after it.
+                        // before any claim after it. Or the next claim, beside the record,
+                        // takes over the part's clean aggregates.
                         unrecorded = Some(Unrecorded {
                             token,
                             outcomes,
                             part: Some(part_recorded),
+                            clean,
                         });
                     } else {
                         // Recorded before the next claim, which may then take the later events
@@ -547,18 +566,20 @@ impl<S: Store, R: Router> Relay<S, R> {
     }
 
     /// Records outcomes the delivery loop left to record beside its next batch; tells a part's
-    /// rest whether the part was recorded. Returns the outcomes.
-    async fn record_unrecorded(&self, unrecorded: Unrecorded) -> Outcomes {
+    /// rest whether the part was recorded. Returns the outcomes, and whether they were
+    /// recorded.
+    async fn record_unrecorded(&self, unrecorded: Unrecorded) -> (Outcomes, bool) {
         let Unrecorded {
             token,
             outcomes,
             part,
+            clean: _,
         } = unrecorded;
         let recorded = self.record_or_log(token, &outcomes, part.is_some()).await;
         if let Some(part) = part {
             let _ = part.send(recorded);
         }
-        outcomes
+        (outcomes, recorded)
     }
 
     /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
@@ -571,23 +592,31 @@ impl<S: Store, R: Router> Relay<S, R> {
         lookahead: &mut Lookahead,
         permits: &Arc<Semaphore>,
         parts: bool,
-        recorded: tokio::sync::watch::Receiver<bool>,
+        recorded: tokio::sync::watch::Receiver<Option<bool>>,
+        take_over: Option<TakeOver>,
     ) -> Result<Claimed<'_>, StoreError> {
-        let (batch, lease) = match lookahead.next.take() {
+        let (batch, lease, gate) = match lookahead.next.take() {
             Some(ahead) => {
                 lookahead.claim_takes = Some(ahead.took);
-                (ahead.batch, ahead.lease)
+                (ahead.batch, ahead.lease, None)
             }
             None => {
                 let (batch, sent, took) = self
-                    .claim(self.config.claim_size(lookahead.claim_less))
+                    .claim(
+                        self.config.claim_size(lookahead.claim_less),
+                        take_over.as_ref(),
+                    )
                     .await?;
                 if batch.is_empty() {
                     return Ok(Claimed::Nothing { more: batch.more });
                 }
                 lookahead.claim_takes = Some(took);
                 let lease = Lease::new(batch.token, self.config.lease, sent);
-                (batch, lease)
+                let gate = take_over.map(|take_over| Gate {
+                    aggregates: take_over.aggregates.into_iter().collect(),
+                    recorded: recorded.clone(),
+                });
+                (batch, lease, gate)
             }
         };
         let token = batch.token;
@@ -607,6 +636,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             Arc::clone(&progress),
             Arc::clone(permits),
             split,
+            gate,
         ));
         let ahead_done = tokio::sync::Notify::new();
         let started = Instant::now();
@@ -633,9 +663,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             // wait for.
             tokio::select! {
                 biased;
-                (report, mut outcomes) = &mut running => {
-                    absorb(&mut outcomes, part.1);
-                    Err((report, outcomes))
+                (report, mut outcomes, mut clean) = &mut running => {
+                    absorb(&mut outcomes, &mut clean, part.1, part.2);
+                    Err((report, outcomes, clean))
                 }
                 () = ahead_done.notified() => Ok(part),
             }
@@ -653,22 +683,24 @@ impl<S: Store, R: Router> Relay<S, R> {
         // (Of a split batch only the first part's deliveries are known here.)
         let claim_less = |outcomes: &Outcomes| slow_calls || !outcomes.deliveries.is_empty();
         Ok(match ended {
-            Ok((report, outcomes)) => {
+            Ok((report, outcomes, clean)) => {
                 lookahead.claim_less = claim_less(&outcomes);
                 Claimed::Split {
                     token,
                     report,
                     outcomes,
+                    clean,
                     rest: running,
                 }
             }
             // (A part sent as the batch ended is recorded with the rest, at once.)
-            Err((report, mut outcomes)) => {
-                if let Some(Ok((_, part))) = first_part.map(|mut part| part.try_recv()) {
-                    absorb(&mut outcomes, part);
+            Err((report, mut outcomes, mut clean)) => {
+                if let Some(Ok((_, part, part_clean))) = first_part.map(|mut part| part.try_recv())
+                {
+                    absorb(&mut outcomes, &mut clean, part, part_clean);
                 }
                 lookahead.claim_less = claim_less(&outcomes);
-                Claimed::Delivered(token, report, outcomes)
+                Claimed::Delivered(token, report, outcomes, clean)
             }
         })
     }
@@ -682,15 +714,15 @@ impl<S: Store, R: Router> Relay<S, R> {
     async fn claim_ahead(
         &self,
         progress: &Progress,
-        mut recorded: tokio::sync::watch::Receiver<bool>,
+        mut recorded: tokio::sync::watch::Receiver<Option<bool>>,
     ) -> Option<Ahead> {
         if !progress.claim_next().await {
             return None;
         }
         // (The sender gone: the record is over too.)
-        let _ = recorded.wait_for(|done| *done).await;
+        let _ = recorded.wait_for(Option::is_some).await;
         // (Only made when the handlers are slower than a claim.)
-        let (batch, sent, took) = match self.claim(self.config.claim_size(true)).await {
+        let (batch, sent, took) = match self.claim(self.config.claim_size(true), None).await {
             Ok((batch, sent, took)) if !batch.is_empty() => (batch, sent, took),
             Ok(_) => return None,
             Err(error) => {
@@ -820,11 +852,12 @@ impl<S: Store, R: Router> Relay<S, R> {
                 &mut lookahead,
                 &permits,
                 false,
-                tokio::sync::watch::channel(true).1,
+                tokio::sync::watch::channel(Some(true)).1,
+                None,
             )
             .await?;
         let (token, mut report, outcomes) = match claimed {
-            Claimed::Delivered(token, report, outcomes) => (token, report, outcomes),
+            Claimed::Delivered(token, report, outcomes, _) => (token, report, outcomes),
             Claimed::Split { .. } => unreachable!("a batch is split only when asked"),
             Claimed::Nothing { more } => {
                 return Ok(BatchReport {
@@ -844,15 +877,21 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// that the batch is fanned out to the subscribers of every build registered before it.
     /// Returns with the batch when the store's claim was sent (its lease runs from then at the
     /// latest) and how long it took: the registry's reads are not the claim's time (the first
-    /// claim registers the relay).
-    async fn claim(&self, size: u32) -> Result<(Batch, Instant, Duration), StoreError> {
+    /// claim registers the relay). With `take_over`, it may take over those aggregates of the
+    /// claim before.
+    async fn claim(
+        &self,
+        size: u32,
+        take_over: Option<&TakeOver>,
+    ) -> Result<(Batch, Instant, Duration), StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
         let others = self.builds.others();
+        let filter = match take_over {
+            Some(take_over) => Cow::Owned(others.filter().taking_over(take_over.clone())),
+            None => Cow::Borrowed(others.filter()),
+        };
         let sent = Instant::now();
-        let batch = self
-            .store
-            .claim(size, self.config.lease, others.filter())
-            .await?;
+        let batch = self.store.claim(size, self.config.lease, &filter).await?;
         let took = sent.elapsed();
         if self.builds.is_stale(batch.registry.as_ref()) {
             self.builds.renew(&self.store, &self.router).await?;
@@ -874,7 +913,8 @@ impl<S: Store, R: Router> Relay<S, R> {
         progress: Arc<Progress>,
         permits: Arc<Semaphore>,
         split: Option<batch::SplitTx>,
-    ) -> (BatchReport, Outcomes) {
+        gate: Option<Gate>,
+    ) -> (BatchReport, Outcomes, Clean) {
         let span = tracing::info_span!(
             "outbox.batch",
             claim = batch.token.get(),
@@ -885,9 +925,16 @@ impl<S: Store, R: Router> Relay<S, R> {
             parked = Empty,
         );
         let delivering = self
-            .deliver_batch(batch.claims, &lease, &progress, &permits, split)
+            .deliver_batch(
+                batch.claims,
+                &lease,
+                &progress,
+                &permits,
+                split,
+                gate.as_ref(),
+            )
             .instrument(span.clone());
-        let (mut report, outcomes) = tokio::select! {
+        let (mut report, outcomes, clean) = tokio::select! {
             biased;
             done = delivering => done,
             never = lease.keep(&self.store) => match never {},
@@ -898,7 +945,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         span.record("retried", report.retried);
         span.record("dead", report.dead);
         span.record("parked", report.parked);
-        (report, outcomes)
+        (report, outcomes, clean)
     }
 
     /// Records outcomes; if that keeps failing, says so (the batch is delivered again once its
@@ -969,9 +1016,10 @@ impl<S: Store, R: Router> Relay<S, R> {
 }
 
 /// Adds the outcomes of a batch's first part to those of its rest, to be recorded whole.
-fn absorb(outcomes: &mut Outcomes, part: Outcomes) {
+fn absorb(outcomes: &mut Outcomes, clean: &mut Clean, part: Outcomes, part_clean: Clean) {
     outcomes.events.extend(part.events);
     outcomes.deliveries.extend(part.deliveries);
+    clean.extend(part_clean);
 }
 
 /// Brings `next_due` forward to when the earliest retry or parked event of `outcomes`, just
