@@ -88,7 +88,9 @@ impl RelayConfig {
         self
     }
 
-    /// How many handler calls of one batch run at once, at most (default 32, at most 10 000).
+    /// How many handler calls run at once, at most (default 32, at most 10 000), per
+    /// [`run`](crate::Relay::run): the batch in progress and the rests of the batches split
+    /// before it share them. A relay run from several tasks has this many in each.
     ///
     /// Calls for different (subscriber, aggregate) keys run concurrently on the relay's task;
     /// the calls of one key run one at a time, in commit order, whatever the setting. `1` calls
