@@ -289,7 +289,14 @@ impl<S: Store, R: Router> Relay<S, R> {
         gate: Option<&Gate>,
     ) -> (BatchReport, Outcomes, Clean) {
         let given_back = |a: (&str, Uuid)| gate.is_some_and(|gate| gate.gives_back(a));
-        let (delivered, outcomes, clean) = assemble_with(plan, ran, in_part, &given_back);
+        // (Only a store that takes them over needs the clean aggregates.)
+        let (delivered, outcomes, clean) = assemble_with(
+            plan,
+            ran,
+            in_part,
+            &given_back,
+            self.store.claims_take_over(),
+        );
         let mut report = BatchReport {
             claimed,
             delivered,
@@ -318,7 +325,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .iter()
             .map(|queue| queue.iter().map(|&step| (step, Ran::NoLease)).collect())
             .collect();
-        assemble_with(&plan, ran, &|_| true, &|_| false).1
+        assemble_with(&plan, ran, &|_| true, &|_| false, false).1
     }
 
     /// Makes one key's calls in order until one fails; the rest are held back. The key holds
@@ -551,17 +558,19 @@ fn assemble<D>(
     ran: Vec<Vec<(Step, Ran)>>,
     in_part: &dyn Fn((&str, Uuid)) -> bool,
 ) -> (usize, Outcomes) {
-    let (delivered, outcomes, _) = assemble_with(plan, ran, in_part, &|_| false);
+    let (delivered, outcomes, _) = assemble_with(plan, ran, in_part, &|_| false, false);
     (delivered, outcomes)
 }
 
-/// [`assemble`], giving back every claim of the aggregates `given_back` names; also returns
-/// the aggregates whose claims all ended clean (each event published, each call delivered).
+/// [`assemble`], giving back every claim of the aggregates `given_back` names; also returns,
+/// if `find_clean`, the aggregates whose claims all ended clean (each event published, each
+/// call delivered).
 fn assemble_with<D>(
     plan: &Plan<D>,
     ran: Vec<Vec<(Step, Ran)>>,
     in_part: &dyn Fn((&str, Uuid)) -> bool,
     given_back: &dyn Fn((&str, Uuid)) -> bool,
+    find_clean: bool,
 ) -> (usize, Outcomes, Clean) {
     let mut results: Vec<Vec<Option<Ran>>> = plan
         .claims
@@ -588,7 +597,8 @@ fn assemble_with<D>(
             continue;
         }
         let given_back = aggregate.is_some_and(given_back);
-        let ended_clean = !given_back
+        let ended_clean = find_clean
+            && !given_back
             && match claim {
                 Planned::Event { outcome, .. } => *outcome == EventOutcome::Published,
                 Planned::Delivery(record) => record.outcome == DeliveryOutcome::Delivered,
@@ -600,7 +610,7 @@ fn assemble_with<D>(
                 }
                 Planned::Again { .. } => matches!(results.first(), Some(Some(Ran::Delivered))),
             };
-        if let Some(aggregate) = aggregate {
+        if let Some(aggregate) = aggregate.filter(|_| find_clean) {
             let index = *seen.entry(aggregate).or_insert_with(|| {
                 clean.push((aggregate, true));
                 clean.len() - 1
@@ -829,11 +839,11 @@ mod tests {
                 )],
             ]
         };
-        let (_, _, clean) = assemble_with(&plan, ran(), &|_| true, &|_| false);
+        let (_, _, clean) = assemble_with(&plan, ran(), &|_| true, &|_| false, true);
         assert_eq!(clean, [("t".to_owned(), Uuid::from_u128(1))]);
 
         let one = ("t", Uuid::from_u128(1));
-        let (_, outcomes, clean) = assemble_with(&plan, ran(), &|_| true, &|a| a == one);
+        let (_, outcomes, clean) = assemble_with(&plan, ran(), &|_| true, &|a| a == one, true);
         assert_eq!(
             outcomes.events,
             [

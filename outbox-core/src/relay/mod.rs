@@ -308,9 +308,9 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// claim take the later events of the aggregates the batch handled cleanly: their calls
     /// wait for the record, and are given back if it is not applied. When the handlers are
     /// slower than the store (a batch runs longer than a claim takes), the next batch is
-    /// claimed while the last calls of the batch run, so that it is ready when they end; that claim leaves out the aggregates of the
-    /// batch still running, as another relay's would. A relay stopping with such a batch gives
-    /// it back unstarted.
+    /// claimed while the last calls of the batch run, so that it is ready when they end; that
+    /// claim leaves out the aggregates of the batch still running, as another relay's would. A
+    /// relay stopping with such a batch gives it back unstarted.
     ///
     /// Store errors never end the loop. A broken connection is replaced and the work retried at
     /// once; a store that stays unreachable is retried with exponential backoff (with jitter, up
