@@ -208,6 +208,9 @@ fn options() -> Options {
     {
         usage_error(&format!("unknown scenario {unknown}"));
     }
+    if let Err(error) = options.config().validate() {
+        usage_error(&error.to_string());
+    }
     if options.scenarios.is_empty() || options.scenarios.iter().any(|s| s == "all") {
         options.scenarios = ALL.map(str::to_owned).to_vec();
     }

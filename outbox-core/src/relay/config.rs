@@ -260,7 +260,22 @@ impl RelayConfig {
         self.retry_in_place
     }
 
-    pub(super) fn validate(&self) -> Result<(), ConfigError> {
+    /// The first setting that is out of range, if any: [`Relay::new`](crate::Relay::new)
+    /// refuses the same settings. For settings read from a file or the environment, to say
+    /// what is wrong before anything starts.
+    ///
+    /// ```
+    /// use outbox_core::{ConfigError, RelayConfig};
+    ///
+    /// let config = RelayConfig::default().with_batch_size(20_000);
+    /// let Err(ConfigError::InvalidSetting { setting, reason }) = config.validate() else {
+    ///     panic!("a batch of 20 000 is out of range");
+    /// };
+    /// assert_eq!(setting, "batch size");
+    /// assert_eq!(reason, "20000 is outside 1..=10000");
+    /// assert!(RelayConfig::default().validate().is_ok());
+    /// ```
+    pub fn validate(&self) -> Result<(), ConfigError> {
         let invalid =
             |setting, reason: String| Err(ConfigError::InvalidSetting { setting, reason });
         if !(1..=10_000).contains(&self.batch_size) {
