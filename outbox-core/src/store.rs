@@ -230,9 +230,9 @@ pub struct ClaimFilter {
     pub skip_event_types: Vec<String>,
     /// Subscribers whose deliveries to leave pending.
     pub skip_subscribers: Vec<String>,
-    /// Aggregates of an earlier claim of the same relay whose later events this claim may take
-    /// although that claim still lists them ([`Store::claims_take_over`]).
-    pub take_over: Option<TakeOver>,
+    /// Aggregates of earlier claims of the same relay whose later events this claim may take
+    /// although those claims still list them ([`Store::claims_take_over`]).
+    pub take_over: Vec<TakeOver>,
 }
 
 impl ClaimFilter {
@@ -241,15 +241,15 @@ impl ClaimFilter {
         Self {
             skip_event_types,
             skip_subscribers,
-            take_over: None,
+            take_over: Vec::new(),
         }
     }
 
-    /// The same filter, taking over `take_over`'s aggregates.
+    /// The same filter, taking over the aggregates `take_over` names.
     #[must_use]
-    pub fn taking_over(&self, take_over: TakeOver) -> Self {
+    pub fn taking_over(&self, take_over: Vec<TakeOver>) -> Self {
         Self {
-            take_over: Some(take_over),
+            take_over,
             ..self.clone()
         }
     }
@@ -260,13 +260,14 @@ impl ClaimFilter {
     }
 }
 
-/// Aggregates of claim `claim` whose work in it is done: every event of theirs it lists was
-/// handled (published, each handler call delivered) and the record that says so is under way
-/// while the relay claims again. A store that [takes them over](Store::claims_take_over)
-/// treats them, in that claim, as if the record had ended: their later events may be claimed
-/// at once (so that a relay whose batch held every aggregate with work need not wait for its
-/// record to claim the next one). The relay starts no handler of those events until the
-/// record is applied, and gives them back if it is not, so their order holds.
+/// Aggregates of claim `claim` that the relay hands on to its next claim: their work in it is
+/// done and the record that says so under way, or their handler calls still run. A store that
+/// [takes them over](Store::claims_take_over) treats them, in that claim, as if it were over:
+/// their later events may be claimed at once (so that a relay need not wait for a record, or
+/// for the slowest key of a batch, to claim an aggregate's next events). The relay starts no
+/// handler of those events until the record of the claim's work on the aggregate is applied,
+/// and gives them back if it is not, or if that work did not end clean (a failure left a
+/// delivery behind, an event was parked or dead-lettered), so their order holds.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct TakeOver {

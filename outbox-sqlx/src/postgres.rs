@@ -646,16 +646,18 @@ active AS MATERIALIZED (
     WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))
 ),
 claimed_aggregates AS MATERIALIZED (
-    -- The aggregates the live claims hold, less those this relay takes over from its claim $9
-    -- ($10, $11: their work in it is done, and its record under way; `TakeOver`). (Their
-    -- events in that claim stay in `active`: only their later ones may be claimed.)
+    -- The aggregates the live claims hold, less those this relay takes over from its own
+    -- claims ($9, $10, $11 in step: claim, aggregate; `TakeOver`: their work in it is done
+    -- and recorded soon, or still running, and this relay starts none of their later events
+    -- before that work is recorded). (Their events in those claims stay in `active`: only
+    -- their later ones may be claimed.)
     SELECT a.aggregate_type, a.aggregate_id, min(a.claim_id) AS claim_id,
            min(a.claimed_at) AS claimed_at
     FROM active AS a
-    WHERE a.claim_id IS DISTINCT FROM $9
-       OR (a.aggregate_id, a.aggregate_type) NOT IN (
-              SELECT t.aggregate_id, t.aggregate_type
-              FROM unnest($11::uuid[], $10::text[]) AS t(aggregate_id, aggregate_type))
+    WHERE (a.claim_id, a.aggregate_id, a.aggregate_type) NOT IN (
+              SELECT t.claim_id, t.aggregate_id, t.aggregate_type
+              FROM unnest($9::int8[], $11::uuid[], $10::text[])
+                  AS t(claim_id, aggregate_id, aggregate_type))
     GROUP BY a.aggregate_type, a.aggregate_id
 ),
 put_back AS MATERIALIZED (
@@ -1186,10 +1188,16 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .scan_from();
-        let take_over = filter.take_over.as_ref();
-        let (take_over_types, take_over_ids): (Vec<&str>, Vec<Uuid>) = take_over
-            .map(|t| t.aggregates.iter().map(|(t, id)| (t.as_str(), *id)).unzip())
-            .unwrap_or_default();
+        // (claim, type, id) of each aggregate taken over, as three arrays in step.
+        let mut take_over_claims = Vec::new();
+        let (take_over_types, take_over_ids): (Vec<&str>, Vec<Uuid>) = filter
+            .take_over
+            .iter()
+            .flat_map(|t| {
+                take_over_claims.extend(t.aggregates.iter().map(|_| t.claim.get()));
+                t.aggregates.iter().map(|(t, id)| (t.as_str(), *id))
+            })
+            .unzip();
         let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
         #[cfg(feature = "_fault-injection")]
         crate::__fault_injection::claim_lock_held();
@@ -1202,7 +1210,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(queries.claims_floor.load(Relaxed))
             .bind(events_floor)
             .bind(released)
-            .bind(take_over.map(|t| t.claim.get()))
+            .bind(take_over_claims)
             .bind(take_over_types)
             .bind(take_over_ids)
             .fetch_all(&mut *tx)
@@ -2116,8 +2124,8 @@ mod tests {
             .unwrap();
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8, int8, text[],
-                               uuid[]) AS {}",
+                "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8, int8[],
+                               text[], uuid[]) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -2128,7 +2136,7 @@ mod tests {
         let explained: String = sqlx::query(AssertSqlSafe(format!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
              EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
-                           {released}, NULL, '{{}}', '{{}}')"
+                           {released}, '{{}}', '{{}}', '{{}}')"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -2409,9 +2417,10 @@ mod tests {
         assert_eq!(ids, vec![later[2]], "a and b wait for the earlier claim");
 
         let elsewhere = TakeOver::new(ClaimToken::new(earlier.get() + 1000), vec![("t".into(), a)]);
-        let (_, ids) = claim(none.taking_over(elsewhere)).await;
+        let (_, ids) = claim(none.taking_over(vec![elsewhere])).await;
         assert_eq!(ids, Vec::<i64>::new(), "another claim's name frees nothing");
-        let (_, ids) = claim(none.taking_over(TakeOver::new(earlier, vec![("t".into(), a)]))).await;
+        let (_, ids) =
+            claim(none.taking_over(vec![TakeOver::new(earlier, vec![("t".into(), a)])])).await;
         assert_eq!(
             ids,
             vec![later[0]],

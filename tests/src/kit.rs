@@ -640,7 +640,7 @@ impl<S: Store> Store for WatchedStore<S> {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .push((limit, batch.claims.len()));
-            if filter.take_over.is_some() {
+            if !filter.take_over.is_empty() {
                 self.took_over.fetch_add(1, SeqCst);
             }
             if busy {

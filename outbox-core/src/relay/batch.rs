@@ -21,11 +21,12 @@ use super::attempt::Under;
 use super::builds::Others;
 use super::lease::Lease;
 use super::plan::{self, Plan, Planned, Routes, Slot, Step};
+use super::succession::Gate;
 use super::{BatchReport, Relay};
 use crate::error::DecodeError;
 use crate::routing::{Decoded, Router};
 use crate::store::{
-    Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
+    Claim, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes, Store, StoredEvent,
 };
 
 /// A relay's routes for planning one batch: its own, and what the other builds registered.
@@ -99,27 +100,6 @@ pub(super) type SplitTx = tokio::sync::oneshot::Sender<(BatchReport, Outcomes, C
 /// published, every handler call delivered. A claim beside its record may take them over
 /// ([`TakeOver`](crate::store::TakeOver)).
 pub(super) type Clean = Vec<(String, Uuid)>;
-
-/// The aggregates a batch took over from the claim before it, and the outcome of that claim's
-/// record (`None` while it runs; whether it was applied). No handler of their events starts
-/// before it is applied; if it is not, their claims are given back.
-pub(super) struct Gate {
-    pub(super) aggregates: HashSet<(String, Uuid)>,
-    pub(super) recorded: tokio::sync::watch::Receiver<Option<bool>>,
-}
-
-impl Gate {
-    fn holds(&self, aggregate: (&str, Uuid)) -> bool {
-        self.aggregates
-            .contains(&(aggregate.0.to_owned(), aggregate.1))
-    }
-
-    /// Whether the claims of `aggregate` are given back: it was taken over, and the record of
-    /// the claim before is not (yet) applied.
-    fn gives_back(&self, aggregate: (&str, Uuid)) -> bool {
-        *self.recorded.borrow() != Some(true) && self.holds(aggregate)
-    }
-}
 
 impl<S: Store, R: Router> Relay<S, R> {
     /// Hands claimed events and deliveries to their subscribers, in order per key, while `lease`
@@ -237,6 +217,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 .collect();
             let (report, outcomes, clean) =
                 self.report(&plan, part, claimed, lease, &|a| done.contains(&a), gate);
+            self.settle(lease.token(), &plan, &|a| done.contains(&a), &clean);
             recorded.extend(done);
             match split.take() {
                 // (The receiver gone: the batch is over for its loop anyway.)
@@ -244,7 +225,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 None => {
                     let token = lease.token();
                     recording = Some(Box::pin(async move {
-                        let applied = self.record_or_log(token, &outcomes, true).await;
+                        let applied = self.record_clean(token, &outcomes, true, &clean).await;
                         if applied {
                             self.freed.notify_one();
                         }
@@ -272,6 +253,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             outcomes = Outcomes::default();
             clean = Clean::new();
         }
+        self.settle(lease.token(), &plan, &|a| !recorded.contains(&a), &clean);
         report.retried_in_place = calls.retried_in_place.load(Ordering::Relaxed);
         (report, outcomes, clean)
     }
@@ -305,6 +287,28 @@ impl<S: Store, R: Router> Relay<S, R> {
         };
         tally(&outcomes, &mut report);
         (report, outcomes, clean)
+    }
+
+    /// Tells the successions that the calls of claim `token` on the aggregates of `plan` that
+    /// `in_part` names are over, and which ended clean.
+    fn settle(
+        &self,
+        token: ClaimToken,
+        plan: &Plan<Decoded>,
+        in_part: &dyn Fn((&str, Uuid)) -> bool,
+        clean: &Clean,
+    ) {
+        if !self.store.claims_take_over() {
+            return;
+        }
+        let clean: HashSet<(&str, Uuid)> = clean.iter().map(|(t, id)| (t.as_str(), *id)).collect();
+        let part = plan
+            .claims
+            .iter()
+            .filter_map(Planned::aggregate)
+            .filter(|&a| in_part(a));
+        self.successions
+            .settled(token, part, |a| clean.contains(&a));
     }
 
     fn plan(&self, claims: Vec<Claim>) -> Plan<Decoded> {
@@ -355,31 +359,39 @@ impl<S: Store, R: Router> Relay<S, R> {
         calls: &Calls<'_>,
     ) -> Vec<(Step, Ran)> {
         let mut ran = Vec::with_capacity(queue.len());
-        // A key of an aggregate taken over from the claim before waits for that claim's
-        // record; if it is not applied, none of its calls is made (the claims are given back).
+        // A key of an aggregate taken over from an earlier claim waits for that claim's work
+        // on it to be recorded clean (as for a retry in place, the batch may split meanwhile);
+        // otherwise none of its events' calls is made (their claims are given back). Its
+        // deliveries (claimed as due, with or without the take-over) run as they would have.
         let aggregate = queue
             .first()
             .and_then(|step| plan.claims[step.claim].aggregate());
+        let mut events_given_back = false;
         if let (Some(gate), Some(aggregate)) = (calls.gate, aggregate)
             && gate.holds(aggregate)
         {
-            let mut recorded = gate.recorded.clone();
-            let applied = matches!(
-                recorded.wait_for(Option::is_some).await.as_deref(),
-                Ok(Some(true))
-            );
-            if !applied {
-                for &step in queue {
-                    calls.ran(&mut ran, step, Ran::NoLease);
-                }
-                return ran;
+            // (Counted as waiting, as for a retry in place, if the calls before still ran:
+            // the batch may split meanwhile. Not for a record under way, which is quick.)
+            let counted = gate.waits_on_calls(aggregate);
+            if counted {
+                calls.waiting.fetch_add(1, Ordering::Relaxed);
+                calls.note_waiting();
             }
+            let clean = gate.wait(aggregate).await;
+            if counted {
+                calls.waiting.fetch_sub(1, Ordering::Relaxed);
+            }
+            events_given_back = !clean;
         }
         let mut failed = false;
         // Held from the key's first call to its last, as a worker would hold the key, but
         // while it waits for a retry. (The semaphore is never closed.)
         let mut permit = None;
         for &step in queue {
+            if events_given_back && matches!(plan.claims[step.claim], Planned::FanOut { .. }) {
+                calls.ran(&mut ran, step, Ran::NoLease);
+                continue;
+            }
             if failed {
                 calls.ran(&mut ran, step, Ran::Behind);
                 continue;
@@ -596,7 +608,10 @@ fn assemble_with<D>(
         if !aggregate.is_none_or(in_part) {
             continue;
         }
-        let given_back = aggregate.is_some_and(given_back);
+        // (Only events are given back: a delivery was claimed as due, as it would have been
+        // without the take-over.)
+        let given_back = matches!(claim, Planned::Event { .. } | Planned::FanOut { .. })
+            && aggregate.is_some_and(given_back);
         let ended_clean = find_clean
             && !given_back
             && match claim {
@@ -618,25 +633,12 @@ fn assemble_with<D>(
             clean[index].1 &= ended_clean;
         }
         match claim {
-            // (Its calls were not made: the claim before it was not recorded.)
+            // (Its calls were not made: the work before it did not end recorded and clean.)
             Planned::Event { id, .. } if given_back => {
                 outcomes.events.push((*id, EventOutcome::Released));
             }
-            Planned::Delivery(record) if given_back => outcomes.deliveries.push(DeliveryRecord {
-                outcome: DeliveryOutcome::Released,
-                ..record.clone()
-            }),
             Planned::FanOut { event, .. } if given_back => {
                 outcomes.events.push((event.id, EventOutcome::Released));
-            }
-            Planned::Again {
-                event, subscriber, ..
-            } if given_back => {
-                outcomes.deliveries.push(record(
-                    event,
-                    subscriber.clone(),
-                    DeliveryOutcome::Released,
-                ));
             }
             Planned::Event { id, outcome, .. } => outcomes.events.push((*id, outcome.clone())),
             Planned::Delivery(record) => outcomes.deliveries.push(record.clone()),

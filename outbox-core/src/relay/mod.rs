@@ -19,6 +19,7 @@ mod builds;
 mod config;
 mod lease;
 mod plan;
+mod succession;
 
 use std::borrow::Cow;
 use std::convert::Infallible;
@@ -35,16 +36,18 @@ use tracing::Instrument;
 use tracing::field::Empty;
 
 use ahead::Progress;
-use batch::{Clean, Gate};
+use batch::Clean;
 pub use config::{RelayConfig, Retention};
 use lease::Lease;
 
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
 use crate::store::{
-    Batch, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store, TakeOver,
+    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store,
+    TakeOver,
 };
 use crate::telemetry;
+use succession::{Gate, Holding, Successions};
 
 /// What one batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -101,6 +104,9 @@ pub struct Relay<S, R> {
     /// Told when a record made beside the delivery loop (of a split batch's later part or its
     /// rest) freed aggregates: an idle loop claims their later events at once.
     freed: tokio::sync::Notify,
+    /// The aggregates of its claims whose work has not ended, which its next claims take over
+    /// (when the store does).
+    successions: Successions,
     /// How many `run`s of this relay are under way: the last to stop ends its registration.
     runs: AtomicUsize,
 }
@@ -210,6 +216,8 @@ impl Failures {
 struct Ahead {
     batch: Batch,
     lease: Lease,
+    /// What it took over.
+    gate: Option<Gate>,
     /// How long its claim took.
     took: Duration,
 }
@@ -217,13 +225,14 @@ struct Ahead {
 /// Outcomes the delivery loop records while it delivers the next batch: a whole batch's, or
 /// the first part of a batch that split to let the batch claimed ahead of it start (`part`
 /// then tells the rest whether it was recorded: the rest records itself only after it).
-struct Unrecorded {
+struct Unrecorded<'a> {
     token: ClaimToken,
     outcomes: Outcomes,
     part: Option<tokio::sync::oneshot::Sender<bool>>,
-    /// Its aggregates whose work is all done: the claim made beside its record may take them
-    /// over.
+    /// Its aggregates whose work is all done.
     clean: Clean,
+    /// Its claim's entry in the successions, when this is its last record.
+    holding: Option<Holding<'a>>,
 }
 
 /// What the delivery loop knows for claiming ahead.
@@ -244,8 +253,15 @@ struct Lookahead {
 
 /// What a relay's claim gave.
 enum Claimed<'a> {
-    /// A batch, delivered: its token, report, outcomes and clean aggregates.
-    Delivered(ClaimToken, BatchReport, Outcomes, Clean),
+    /// A batch, delivered: its token, report, outcomes, clean aggregates and entry in the
+    /// successions.
+    Delivered(
+        ClaimToken,
+        BatchReport,
+        Outcomes,
+        Clean,
+        Option<Holding<'a>>,
+    ),
     /// A batch whose aggregates that are done are to be recorded now (the outcomes), while
     /// `rest` runs the keys waiting for a retry in place and gives the rest of the outcomes.
     Split {
@@ -254,6 +270,7 @@ enum Claimed<'a> {
         outcomes: Outcomes,
         clean: Clean,
         rest: Running<'a>,
+        holding: Option<Holding<'a>>,
     },
     /// No work; `more` when the store may find some if asked again at once.
     Nothing { more: bool },
@@ -281,6 +298,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             chores: Mutex::new(Chores::new()),
             builds: builds::Builds::new(&R::catalog()),
             freed: tokio::sync::Notify::new(),
+            successions: Successions::default(),
             runs: AtomicUsize::new(0),
         })
     }
@@ -304,13 +322,15 @@ impl<S: Store, R: Router> Relay<S, R> {
     ///
     /// The outcomes of one batch are recorded while the next batch is claimed and delivered
     /// (until its outcomes are recorded, the claim of a batch holds its aggregates' later events
-    /// back, so order is kept). A store that [takes over](Store::claims_take_over) lets that
-    /// claim take the later events of the aggregates the batch handled cleanly: their calls
-    /// wait for the record, and are given back if it is not applied. When the handlers are
-    /// slower than the store (a batch runs longer than a claim takes), the next batch is
+    /// back, so order is kept). A store that [takes over](Store::claims_take_over) lets the
+    /// relay's claims take the later events of the aggregates of its own claims whose work has
+    /// not ended (handled and being recorded, or with calls still running): their calls wait
+    /// until that work is recorded clean, and are given back if it is not. When the handlers
+    /// are slower than the store (a batch runs longer than a claim takes), the next batch is
     /// claimed while the last calls of the batch run, so that it is ready when they end; that
-    /// claim leaves out the aggregates of the batch still running, as another relay's would. A
-    /// relay stopping with such a batch gives it back unstarted.
+    /// claim takes over the batch's aggregates in the same way (other stores leave them out,
+    /// as another relay's claim would). A relay stopping with such a batch gives it back
+    /// unstarted.
     ///
     /// Store errors never end the loop. A broken connection is replaced and the work retried at
     /// once; a store that stays unreachable is retried with exponential backoff (with jitter, up
@@ -409,7 +429,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         let takes_over = self.store.claims_take_over();
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
-        let mut unrecorded: Option<Unrecorded> = None;
+        let mut unrecorded: Option<Unrecorded<'_>> = None;
         // When the earliest retry or parked event this relay recorded is due: an idle relay
         // looks again then, not only after its poll interval.
         let mut next_due: Option<Instant> = None;
@@ -428,6 +448,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     token: ahead.batch.token,
                     part: None,
                     clean: Clean::new(),
+                    holding: None,
                 });
                 for unrecorded in unrecorded.into_iter().chain(given_back) {
                     self.record_unrecorded(unrecorded).await;
@@ -437,12 +458,10 @@ impl<S: Store, R: Router> Relay<S, R> {
             let recording = unrecorded.is_some();
             // The last batch is recorded while the next one is claimed and delivered; a claim
             // ahead of that one waits for the record (`recorded`: whether it was applied). The
-            // claim beside the record may take over its clean aggregates.
+            // claim beside the record may take over the aggregates of this relay's claims
+            // whose work has not ended, that batch's among them.
             let (record_done, recorded) = tokio::sync::watch::channel((!recording).then_some(true));
-            let take_over = unrecorded
-                .as_ref()
-                .filter(|unrecorded| takes_over && !unrecorded.clean.is_empty())
-                .map(|unrecorded| TakeOver::new(unrecorded.token, unrecorded.clean.clone()));
+            let take_over = takes_over.then(|| self.successions.take_over(self.config.lease));
             let next = self.claim_and_deliver(&mut lookahead, permits, parts, recorded, take_over);
             let claimed = match unrecorded.take() {
                 None => next.await,
@@ -458,7 +477,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
             };
             match claimed {
-                Ok(Claimed::Delivered(token, report, outcomes, clean)) => {
+                Ok(Claimed::Delivered(token, report, outcomes, clean, holding)) => {
                     failures.reset();
                     if report.lost {
                         // Counted and logged by the lease; the store would refuse the record.
@@ -470,6 +489,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                             outcomes,
                             part: None,
                             clean,
+                            holding,
                         });
                         continue;
                     }
@@ -489,6 +509,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     outcomes,
                     clean,
                     rest,
+                    holding,
                 }) => {
                     failures.reset();
                     // The rest runs on at once: a call of it may hold a transaction that locks
@@ -496,18 +517,19 @@ impl<S: Store, R: Router> Relay<S, R> {
                     // for. It records itself after this part.
                     let (part_recorded, was_recorded) = tokio::sync::oneshot::channel();
                     let finish = async move {
-                        let (report, outcomes, _) = rest.await;
+                        let (report, outcomes, clean) = rest.await;
                         // (Not after a part that could not be recorded: its deliveries stay
                         // marked with the claim, which only its expiry gives back.)
                         let recorded = was_recorded.await.unwrap_or(false);
                         if recorded && !report.lost {
-                            self.record_or_log(token, &outcomes, false).await;
+                            self.record_clean(token, &outcomes, false, &clean).await;
                             let mut next_due = rests
                                 .next_due
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner);
                             note_due(&mut next_due, &outcomes);
                         }
+                        drop(holding);
                         self.freed.notify_one();
                     };
                     // (The receiver outlives this loop.)
@@ -518,17 +540,18 @@ impl<S: Store, R: Router> Relay<S, R> {
                         // The next batch is claimed already (the batch split to let it start):
                         // the part is recorded while it runs, as a whole batch would be, and
                         // before any claim after it. Or the next claim, beside the record,
-                        // takes over the part's clean aggregates.
+                        // takes over the part's aggregates (and the rest's).
                         unrecorded = Some(Unrecorded {
                             token,
                             outcomes,
                             part: Some(part_recorded),
                             clean,
+                            holding: None,
                         });
                     } else {
                         // Recorded before the next claim, which may then take the later events
                         // of the aggregates it frees.
-                        let recorded = self.record_or_log(token, &outcomes, true).await;
+                        let recorded = self.record_clean(token, &outcomes, true, &clean).await;
                         note_due(&mut next_due, &outcomes);
                         let _ = part_recorded.send(recorded);
                     }
@@ -568,18 +591,38 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Records outcomes the delivery loop left to record beside its next batch; tells a part's
     /// rest whether the part was recorded. Returns the outcomes, and whether they were
     /// recorded.
-    async fn record_unrecorded(&self, unrecorded: Unrecorded) -> (Outcomes, bool) {
+    async fn record_unrecorded(&self, unrecorded: Unrecorded<'_>) -> (Outcomes, bool) {
         let Unrecorded {
             token,
             outcomes,
             part,
-            clean: _,
+            clean,
+            holding,
         } = unrecorded;
-        let recorded = self.record_or_log(token, &outcomes, part.is_some()).await;
+        let recorded = self
+            .record_clean(token, &outcomes, part.is_some(), &clean)
+            .await;
         if let Some(part) = part {
             let _ = part.send(recorded);
         }
+        drop(holding);
         (outcomes, recorded)
+    }
+
+    /// [`record_or_log`](Self::record_or_log), and once applied, tells the successions that
+    /// the work of claim `token` on its `clean` aggregates ended clean.
+    async fn record_clean(
+        &self,
+        token: ClaimToken,
+        outcomes: &Outcomes,
+        part: bool,
+        clean: &Clean,
+    ) -> bool {
+        let recorded = self.record_or_log(token, outcomes, part).await;
+        if recorded {
+            self.successions.recorded(token, clean);
+        }
+        recorded
     }
 
     /// Delivers the batch claimed ahead, or claims one and, if there is one, delivers it.
@@ -593,18 +636,19 @@ impl<S: Store, R: Router> Relay<S, R> {
         permits: &Arc<Semaphore>,
         parts: bool,
         recorded: tokio::sync::watch::Receiver<Option<bool>>,
-        take_over: Option<TakeOver>,
+        take_over: Option<(Vec<TakeOver>, Gate)>,
     ) -> Result<Claimed<'_>, StoreError> {
         let (batch, lease, gate) = match lookahead.next.take() {
             Some(ahead) => {
                 lookahead.claim_takes = Some(ahead.took);
-                (ahead.batch, ahead.lease, None)
+                (ahead.batch, ahead.lease, ahead.gate)
             }
             None => {
+                let (take_over, gate) = take_over.unzip();
                 let (batch, sent, took) = self
                     .claim(
                         self.config.claim_size(lookahead.claim_less),
-                        take_over.as_ref(),
+                        take_over.unwrap_or_default(),
                     )
                     .await?;
                 if batch.is_empty() {
@@ -612,14 +656,21 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 lookahead.claim_takes = Some(took);
                 let lease = Lease::new(batch.token, self.config.lease, sent);
-                let gate = take_over.map(|take_over| Gate {
-                    aggregates: take_over.aggregates.into_iter().collect(),
-                    recorded: recorded.clone(),
-                });
                 (batch, lease, gate)
             }
         };
         let token = batch.token;
+        // Its aggregates, until its last record, for the claims after it to take over.
+        let holding = self.store.claims_take_over().then(|| {
+            self.successions.hold(
+                token,
+                batch
+                    .claims
+                    .iter()
+                    .filter_map(Claim::event)
+                    .map(|event| (event.aggregate_type.as_str(), event.aggregate_id)),
+            )
+        });
         let progress = Arc::new(Progress::new(
             lookahead.claim_takes.filter(|_| lookahead.on),
         ));
@@ -691,6 +742,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     outcomes,
                     clean,
                     rest: running,
+                    holding,
                 }
             }
             // (A part sent as the batch ended is recorded with the rest, at once.)
@@ -700,7 +752,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     absorb(&mut outcomes, &mut clean, part, part_clean);
                 }
                 lookahead.claim_less = claim_less(&outcomes);
-                Claimed::Delivered(token, report, outcomes, clean)
+                Claimed::Delivered(token, report, outcomes, clean, holding)
             }
         })
     }
@@ -722,7 +774,14 @@ impl<S: Store, R: Router> Relay<S, R> {
         // (The sender gone: the record is over too.)
         let _ = recorded.wait_for(Option::is_some).await;
         // (Only made when the handlers are slower than a claim.)
-        let (batch, sent, took) = match self.claim(self.config.claim_size(true), None).await {
+        let (take_over, gate) = match self.store.claims_take_over() {
+            true => {
+                let (take_over, gate) = self.successions.take_over(self.config.lease);
+                (take_over, Some(gate))
+            }
+            false => (Vec::new(), None),
+        };
+        let (batch, sent, took) = match self.claim(self.config.claim_size(true), take_over).await {
             Ok((batch, sent, took)) if !batch.is_empty() => (batch, sent, took),
             Ok(_) => return None,
             Err(error) => {
@@ -738,7 +797,12 @@ impl<S: Store, R: Router> Relay<S, R> {
             () = progress.wait_over() => {}
             never = lease.keep(&self.store) => match never {},
         }
-        Some(Ahead { batch, lease, took })
+        Some(Ahead {
+            batch,
+            lease,
+            gate,
+            took,
+        })
     }
 
     /// Waits for a commit, the poll interval, `next_due` (which it clears once passed), or
@@ -856,8 +920,10 @@ impl<S: Store, R: Router> Relay<S, R> {
                 None,
             )
             .await?;
-        let (token, mut report, outcomes) = match claimed {
-            Claimed::Delivered(token, report, outcomes, _) => (token, report, outcomes),
+        let (token, mut report, outcomes, clean, _holding) = match claimed {
+            Claimed::Delivered(token, report, outcomes, clean, holding) => {
+                (token, report, outcomes, clean, holding)
+            }
             Claimed::Split { .. } => unreachable!("a batch is split only when asked"),
             Claimed::Nothing { more } => {
                 return Ok(BatchReport {
@@ -868,6 +934,9 @@ impl<S: Store, R: Router> Relay<S, R> {
         };
         if !report.lost && !outcomes.is_empty() {
             report.lost = self.record(token, &outcomes, false).await? == Recorded::Lost;
+            if !report.lost {
+                self.successions.recorded(token, &clean);
+            }
         }
         Ok(report)
     }
@@ -878,17 +947,17 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Returns with the batch when the store's claim was sent (its lease runs from then at the
     /// latest) and how long it took: the registry's reads are not the claim's time (the first
     /// claim registers the relay). With `take_over`, it may take over those aggregates of the
-    /// claim before.
+    /// relay's earlier claims.
     async fn claim(
         &self,
         size: u32,
-        take_over: Option<&TakeOver>,
+        take_over: Vec<TakeOver>,
     ) -> Result<(Batch, Instant, Duration), StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
         let others = self.builds.others();
-        let filter = match take_over {
-            Some(take_over) => Cow::Owned(others.filter().taking_over(take_over.clone())),
-            None => Cow::Borrowed(others.filter()),
+        let filter = match take_over.is_empty() {
+            false => Cow::Owned(others.filter().taking_over(take_over)),
+            true => Cow::Borrowed(others.filter()),
         };
         let sent = Instant::now();
         let batch = self.store.claim(size, self.config.lease, &filter).await?;
