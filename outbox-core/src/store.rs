@@ -273,14 +273,30 @@ impl ClaimFilter {
 pub struct TakeOver {
     /// The earlier claim.
     pub claim: ClaimToken,
-    /// Its aggregates taken over: (type, id).
+    /// Its aggregates taken over: (type, id). Empty when it is taken over `whole`.
     pub aggregates: Vec<(String, Uuid)>,
+    /// Whether every aggregate the claim lists is taken over (then none is named: a batch's
+    /// worth of names would cost the claim more than the rest of its filter).
+    pub whole: bool,
 }
 
 impl TakeOver {
     /// `aggregates` of `claim`, taken over.
     pub fn new(claim: ClaimToken, aggregates: Vec<(String, Uuid)>) -> Self {
-        Self { claim, aggregates }
+        Self {
+            claim,
+            aggregates,
+            whole: false,
+        }
+    }
+
+    /// Every aggregate `claim` lists, taken over.
+    pub fn whole(claim: ClaimToken) -> Self {
+        Self {
+            claim,
+            aggregates: Vec::new(),
+            whole: true,
+        }
     }
 }
 

@@ -647,14 +647,15 @@ active AS MATERIALIZED (
 ),
 claimed_aggregates AS MATERIALIZED (
     -- The aggregates the live claims hold, less those this relay takes over from its own
-    -- claims ($9, $10, $11 in step: claim, aggregate; `TakeOver`: their work in it is done
-    -- and recorded soon, or still running, and this relay starts none of their later events
-    -- before that work is recorded). (Their events in those claims stay in `active`: only
-    -- their later ones may be claimed.)
+    -- claims (every aggregate of the claims $12; and $9, $10, $11 in step: claim, aggregate;
+    -- `TakeOver`: their work in it is done and recorded soon, or still running, and this
+    -- relay starts none of their later events before that work is recorded). (Their events in
+    -- those claims stay in `active`: only their later ones may be claimed.)
     SELECT a.aggregate_type, a.aggregate_id, min(a.claim_id) AS claim_id,
            min(a.claimed_at) AS claimed_at
     FROM active AS a
-    WHERE (a.claim_id, a.aggregate_id, a.aggregate_type) NOT IN (
+    WHERE a.claim_id <> ALL($12::int8[])
+      AND (a.claim_id, a.aggregate_id, a.aggregate_type) NOT IN (
               SELECT t.claim_id, t.aggregate_id, t.aggregate_type
               FROM unnest($9::int8[], $11::uuid[], $10::text[])
                   AS t(claim_id, aggregate_id, aggregate_type))
@@ -1188,11 +1189,19 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .scan_from();
-        // (claim, type, id) of each aggregate taken over, as three arrays in step.
+        // Claims taken over whole; (claim, type, id) of each other aggregate taken over, as
+        // three arrays in step.
+        let taken_whole: Vec<i64> = filter
+            .take_over
+            .iter()
+            .filter(|t| t.whole)
+            .map(|t| t.claim.get())
+            .collect();
         let mut take_over_claims = Vec::new();
         let (take_over_types, take_over_ids): (Vec<&str>, Vec<Uuid>) = filter
             .take_over
             .iter()
+            .filter(|t| !t.whole)
             .flat_map(|t| {
                 take_over_claims.extend(t.aggregates.iter().map(|_| t.claim.get()));
                 t.aggregates.iter().map(|(t, id)| (t.as_str(), *id))
@@ -1213,6 +1222,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(take_over_claims)
             .bind(take_over_types)
             .bind(take_over_ids)
+            .bind(taken_whole)
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -2125,7 +2135,7 @@ mod tests {
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
                 "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8, int8[],
-                               text[], uuid[]) AS {}",
+                               text[], uuid[], int8[]) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -2136,7 +2146,7 @@ mod tests {
         let explained: String = sqlx::query(AssertSqlSafe(format!(
             "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
              EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
-                           {released}, '{{}}', '{{}}', '{{}}')"
+                           {released}, '{{}}', '{{}}', '{{}}', '{{}}')"
         )))
         .fetch_one(&mut *conn)
         .await
@@ -2433,6 +2443,21 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(listed, first, "the earlier claim keeps its events");
+
+        let (_, ids) =
+            claim(none.taking_over(vec![TakeOver::whole(ClaimToken::new(earlier.get() + 1000))]))
+                .await;
+        assert_eq!(
+            ids,
+            Vec::<i64>::new(),
+            "another claim taken whole frees nothing"
+        );
+        let (_, ids) = claim(none.taking_over(vec![TakeOver::whole(earlier)])).await;
+        assert_eq!(
+            ids,
+            vec![later[1]],
+            "b's later event is taken over with the whole claim; a's is in the claim before"
+        );
     }
 
     /// Events held back cost a claim a bounded amount of work, however many: an aggregate with

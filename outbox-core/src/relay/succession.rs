@@ -4,7 +4,8 @@
 //!
 //! Every batch of a store that [takes over](crate::store::Store::claims_take_over) enters its
 //! aggregates here for as long as its claim lives ([`Successions::hold`]). The relay's claims
-//! name them ([`TakeOver`]), so the store lets them claim those aggregates' later events; the
+//! name them ([`TakeOver`]; a claim all of whose aggregates under way are taken over is named
+//! whole), so the store lets them claim those aggregates' later events; the
 //! batch that does waits, per aggregate, for the work before it ([`Gate`]): its calls of an
 //! aggregate start only once the claim before recorded its work on that aggregate, clean
 //! (every event published, every call delivered). If that work is not recorded (the record
@@ -18,7 +19,7 @@
 //! (a record lost) is followed by its later events again, never overtaken by them.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -29,36 +30,55 @@ use crate::store::{ClaimToken, TakeOver};
 /// An aggregate: (type, id).
 pub(super) type Aggregate = (String, Uuid);
 
-/// One claim's work on one aggregate.
-struct Held {
-    /// The aggregate's type.
-    kind: String,
-    /// How it ended: `None` while it runs or its record is under way; `Some(true)` once
-    /// recorded clean; `Some(false)` otherwise.
-    ending: watch::Sender<Option<bool>>,
-    /// Whether its calls are over (clean; its record is under way).
-    done: bool,
+/// Maps keyed by aggregate ids (random, and from the relay's own store) or claim tokens: every
+/// batch fills and reads one with each of its aggregates, so the hasher is a quick one.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+type Set<T> = HashSet<T, foldhash::fast::RandomState>;
+
+/// An aggregate within one claim's [`Work`]: its id and the index of its type in
+/// [`Work::kinds`] (a claim has few types; an entry is then found without building a key).
+type Slot = (Uuid, u32);
+
+/// How one claim's work on one aggregate stands.
+#[derive(Clone, Copy, Default)]
+struct Entry {
+    /// `None` while it runs or its record is under way; `Some(true)` once recorded clean;
+    /// `Some(false)` otherwise.
+    ending: Option<bool>,
+    /// When its calls were over (clean; its record is under way), on the successions' clock.
+    done: Option<u64>,
 }
 
-/// One claim's aggregates, by id (then type: ids are almost always unique), so that they are
-/// found without building a key.
-type Claimed = HashMap<Uuid, Vec<Held>>;
-
-fn find<'a>(claimed: &'a mut Claimed, (kind, id): (&str, Uuid)) -> Option<&'a mut Vec<Held>> {
-    claimed
-        .get_mut(&id)
-        .filter(|held| held.iter().any(|h| h.kind == kind))
+/// One claim's work: its aggregates and how each stands. Kept (by the gates of the claims that
+/// took some over) after the claim's end, so that how each ended can still be read.
+struct Work {
+    /// The aggregate types of the claim.
+    kinds: Vec<Box<str>>,
+    state: Mutex<WorkState>,
+    /// Sent to each time the work on some of its aggregates ends.
+    ended: watch::Sender<()>,
 }
 
-/// Takes `aggregate`'s entry out of `claimed`.
-fn take(claimed: &mut Claimed, (kind, id): (&str, Uuid)) -> Option<Held> {
-    let held = claimed.get_mut(&id)?;
-    let at = held.iter().position(|h| h.kind == kind)?;
-    let taken = held.swap_remove(at);
-    if held.is_empty() {
-        claimed.remove(&id);
+#[derive(Default)]
+struct WorkState {
+    entries: Map<Slot, Entry>,
+    /// Whether the work on some aggregate ended other than clean.
+    unclean: bool,
+}
+
+impl Work {
+    fn slot(&self, (kind, id): (&str, Uuid)) -> Option<Slot> {
+        let kind = self.kinds.iter().position(|k| **k == *kind)?;
+        Some((id, u32::try_from(kind).ok()?))
     }
-    Some(taken)
+
+    fn kind(&self, (_, kind): Slot) -> &str {
+        &self.kinds[kind as usize]
+    }
+
+    fn lock(&self) -> MutexGuard<'_, WorkState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
 }
 
 /// The aggregates of a relay's live claims whose work has not ended.
@@ -69,11 +89,13 @@ pub(super) struct Successions {
 
 #[derive(Default)]
 struct State {
-    claims: HashMap<ClaimToken, Claimed>,
+    claims: Map<ClaimToken, Arc<Work>>,
     /// Aggregates whose last work ended other than clean (a key blocked behind a failure, an
-    /// event parked or dead): not taken over until a batch of theirs ends clean again, since
-    /// what a claim took over from them would only be given back, claim after claim.
-    troubled: HashSet<Aggregate>,
+    /// event parked or dead), by id: not taken over until a batch of theirs ends clean again,
+    /// since what a claim took over from them would only be given back, claim after claim.
+    troubled: Map<Uuid, Vec<Box<str>>>,
+    /// Counts the settlements of calls, so that a gate knows which calls were over before it.
+    clock: u64,
 }
 
 /// The most troubled aggregates remembered (then they are forgotten, and at worst taken over
@@ -81,22 +103,60 @@ struct State {
 const TROUBLED_KEPT: usize = 10_000;
 
 impl State {
-    /// `aggregate`'s work in claim `token` ended: `clean`, or not.
-    fn end(&mut self, token: ClaimToken, aggregate: (&str, Uuid), clean: bool) {
-        let Some(claimed) = self.claims.get_mut(&token) else {
-            return;
-        };
-        let Some(held) = take(claimed, aggregate) else {
-            return;
-        };
-        held.ending.send_replace(Some(clean));
+    fn is_troubled(&self, (kind, id): (&str, Uuid)) -> bool {
+        self.troubled
+            .get(&id)
+            .is_some_and(|kinds| kinds.iter().any(|k| **k == *kind))
+    }
+
+    /// The work on `aggregate` ended, `clean` or not: it is troubled until a batch of it ends
+    /// clean.
+    fn note_ending(&mut self, (kind, id): (&str, Uuid), clean: bool) {
         if clean {
-            self.troubled.remove(&(aggregate.0.to_owned(), aggregate.1));
-        } else {
+            if let Some(kinds) = self.troubled.get_mut(&id) {
+                kinds.retain(|k| **k != *kind);
+                if kinds.is_empty() {
+                    self.troubled.remove(&id);
+                }
+            }
+        } else if !self.is_troubled((kind, id)) {
             if self.troubled.len() >= TROUBLED_KEPT {
                 self.troubled.clear();
             }
-            self.troubled.insert((aggregate.0.to_owned(), aggregate.1));
+            self.troubled.entry(id).or_default().push(kind.into());
+        }
+    }
+
+    /// Ends the work of claim `token` on `aggregates` (those still under way), `clean` or
+    /// not, and tells the gates waiting for it.
+    fn end<'a>(
+        &mut self,
+        token: ClaimToken,
+        aggregates: impl Iterator<Item = (&'a str, Uuid)>,
+        clean: bool,
+    ) {
+        let Some(work) = self.claims.get(&token).cloned() else {
+            return;
+        };
+        let mut ended = false;
+        {
+            let mut state = work.lock();
+            for aggregate in aggregates {
+                let Some(entry) = work.slot(aggregate).and_then(|s| state.entries.get_mut(&s))
+                else {
+                    continue;
+                };
+                if entry.ending.is_some() {
+                    continue;
+                }
+                entry.ending = Some(clean);
+                state.unclean |= !clean;
+                ended = true;
+                self.note_ending(aggregate, clean);
+            }
+        }
+        if ended {
+            work.ended.send_replace(());
         }
     }
 }
@@ -113,18 +173,30 @@ impl Successions {
         token: ClaimToken,
         aggregates: impl IntoIterator<Item = (&'a str, Uuid)>,
     ) -> Holding<'_> {
-        let mut claimed = Claimed::new();
+        let mut kinds: Vec<Box<str>> = Vec::new();
+        let mut entries = Map::default();
         for (kind, id) in aggregates {
-            let held = claimed.entry(id).or_default();
-            if !held.iter().any(|h| h.kind == kind) {
-                held.push(Held {
-                    kind: kind.to_owned(),
-                    ending: watch::Sender::new(None),
-                    done: false,
-                });
+            let at = match kinds.iter().position(|k| **k == *kind) {
+                Some(at) => at,
+                None => {
+                    kinds.push(kind.into());
+                    kinds.len() - 1
+                }
+            };
+            // (More than four billion types in one batch cannot be.)
+            if let Ok(at) = u32::try_from(at) {
+                entries.insert((id, at), Entry::default());
             }
         }
-        self.lock().claims.insert(token, claimed);
+        let work = Work {
+            kinds,
+            state: Mutex::new(WorkState {
+                entries,
+                unclean: false,
+            }),
+            ended: watch::Sender::new(()),
+        };
+        self.lock().claims.insert(token, Arc::new(work));
         Holding {
             successions: self,
             token,
@@ -133,7 +205,7 @@ impl Successions {
 
     /// The record of claim `token`'s work on `clean`, all of it clean, was applied.
     pub(super) fn recorded(&self, token: ClaimToken, clean: &[Aggregate]) {
-        self.end(
+        self.lock().end(
             token,
             clean.iter().map(|(kind, id)| (kind.as_str(), *id)),
             true,
@@ -149,72 +221,91 @@ impl Successions {
         clean: impl Fn((&str, Uuid)) -> bool,
     ) {
         let mut state = self.lock();
-        for aggregate in aggregates {
-            if !clean(aggregate) {
-                state.end(token, aggregate, false);
-            } else if let Some(held) = state
-                .claims
-                .get_mut(&token)
-                .and_then(|claimed| find(claimed, aggregate))
-            {
-                held.iter_mut()
-                    .filter(|h| h.kind == aggregate.0)
-                    .for_each(|h| h.done = true);
+        let Some(work) = state.claims.get(&token).cloned() else {
+            return;
+        };
+        state.clock += 1;
+        let now = state.clock;
+        let mut unclean = Vec::new();
+        {
+            let mut entries = work.lock();
+            for aggregate in aggregates {
+                if !clean(aggregate) {
+                    unclean.push(aggregate);
+                } else if let Some(entry) = work
+                    .slot(aggregate)
+                    .and_then(|s| entries.entries.get_mut(&s))
+                {
+                    entry.done = Some(now);
+                }
             }
         }
-    }
-
-    fn end<'a>(
-        &self,
-        token: ClaimToken,
-        aggregates: impl Iterator<Item = (&'a str, Uuid)>,
-        clean: bool,
-    ) {
-        let mut state = self.lock();
-        for aggregate in aggregates {
-            state.end(token, aggregate, clean);
-        }
+        state.end(token, unclean.into_iter(), false);
     }
 
     /// What a claim made now may take over, and the gate its batch waits at: the aggregates
     /// one claim holds. (Not those two hold, the second waiting for the first: a relay keeps
-    /// at most one claim of an aggregate's events waiting, not as many as it could claim.)
+    /// at most one claim of an aggregate's events waiting, not as many as it could claim.) A
+    /// claim all of whose aggregates still under way may be taken over, and none of whose work
+    /// ended unclean, is taken over whole: nothing is listed.
     pub(super) fn take_over(&self, waits_at_most: Duration) -> (Vec<TakeOver>, Gate) {
         let state = self.lock();
-        let mut holders: HashMap<(&str, Uuid), (ClaimToken, &Held, usize)> = HashMap::new();
-        for (&token, claimed) in &state.claims {
-            for (&id, held) in claimed {
-                for work in held {
-                    holders
-                        .entry((work.kind.as_str(), id))
-                        .or_insert((token, work, 0))
-                        .2 += 1;
+        let mut works: Vec<(ClaimToken, &Arc<Work>)> =
+            state.claims.iter().map(|(t, w)| (*t, w)).collect();
+        works.sort_unstable_by_key(|(token, _)| *token);
+        // (Locked in the order of their tokens, under the successions' lock; a gate locks one
+        // at a time.)
+        let locked: Vec<MutexGuard<'_, WorkState>> = works.iter().map(|(_, w)| w.lock()).collect();
+        // Whether another claim than the `i`th holds `aggregate`, its work there under way.
+        let elsewhere = |i: usize, aggregate: (&str, Uuid)| {
+            works
+                .iter()
+                .zip(&locked)
+                .enumerate()
+                .any(|(j, ((_, work), entries))| {
+                    j != i
+                        && work
+                            .slot(aggregate)
+                            .and_then(|s| entries.entries.get(&s))
+                            .is_some_and(|e| e.ending.is_none())
+                })
+        };
+        let mut take_over = Vec::new();
+        let mut claims = Vec::new();
+        for (i, ((token, work), entries)) in works.iter().zip(&locked).enumerate() {
+            let mut taken: Set<Slot> = Set::default();
+            let mut whole = !entries.unclean;
+            for (&slot, entry) in &entries.entries {
+                if entry.ending.is_some() {
+                    continue;
+                }
+                let aggregate = (work.kind(slot), slot.0);
+                if state.is_troubled(aggregate) || (works.len() > 1 && elsewhere(i, aggregate)) {
+                    whole = false;
+                } else {
+                    taken.insert(slot);
                 }
             }
-        }
-        let mut take_over: HashMap<ClaimToken, Vec<Aggregate>> = HashMap::new();
-        let mut waits: HashMap<Uuid, Vec<Wait>> = HashMap::new();
-        for ((kind, id), (token, work, holders)) in holders {
-            if holders == 1 && !state.troubled.contains(&(kind.to_owned(), id)) {
-                take_over
-                    .entry(token)
-                    .or_default()
-                    .push((kind.to_owned(), id));
-                waits.entry(id).or_default().push(Wait {
-                    kind: kind.to_owned(),
-                    ending: work.ending.subscribe(),
-                    calls_running: !work.done,
-                });
+            if taken.is_empty() {
+                continue;
+            }
+            if whole {
+                take_over.push(TakeOver::whole(*token));
+                claims.push(((*work).clone(), None));
+            } else {
+                let aggregates = taken
+                    .iter()
+                    .map(|&slot| (work.kind(slot).to_owned(), slot.0))
+                    .collect();
+                take_over.push(TakeOver::new(*token, aggregates));
+                claims.push(((*work).clone(), Some(taken)));
             }
         }
-        let take_over = take_over
-            .into_iter()
-            .map(|(token, aggregates)| TakeOver::new(token, aggregates))
-            .collect();
         (
             take_over,
             Gate {
-                waits,
+                claims,
+                taken_at: state.clock,
                 waits_at_most,
             },
         )
@@ -230,76 +321,94 @@ pub(super) struct Holding<'a> {
 impl Drop for Holding<'_> {
     fn drop(&mut self) {
         let mut state = self.successions.lock();
-        let left: Vec<Aggregate> = state
-            .claims
-            .get(&self.token)
-            .into_iter()
-            .flat_map(|claimed| {
-                claimed
-                    .iter()
-                    .flat_map(|(&id, held)| held.iter().map(move |h| (h.kind.clone(), id)))
-            })
+        let Some(work) = state.claims.get(&self.token).cloned() else {
+            return;
+        };
+        let left: Vec<Slot> = work
+            .lock()
+            .entries
+            .iter()
+            .filter(|(_, e)| e.ending.is_none())
+            .map(|(&slot, _)| slot)
             .collect();
-        for (kind, id) in &left {
-            state.end(self.token, (kind, *id), false);
-        }
+        state.end(
+            self.token,
+            left.iter().map(|&slot| (work.kind(slot), slot.0)),
+            false,
+        );
         state.claims.remove(&self.token);
     }
-}
-
-/// How a batch waits for the work before on one aggregate it took over.
-struct Wait {
-    kind: String,
-    ending: watch::Receiver<Option<bool>>,
-    /// Whether the calls before still ran when the batch was claimed.
-    calls_running: bool,
 }
 
 /// The aggregates a batch took over from the relay's earlier claims, and how their work there
 /// ends. No handler of their events starts before it ended clean; if it does not, their claims
 /// are given back.
 pub(super) struct Gate {
-    waits: HashMap<Uuid, Vec<Wait>>,
+    /// The claims taken over from: whole (`None`: every aggregate of theirs), or those named.
+    claims: Vec<(Arc<Work>, Option<Set<Slot>>)>,
+    /// When the claim was made, on the successions' clock.
+    taken_at: u64,
     /// How long a key waits at most (then its claims are given back): a bound, should a claim
     /// before never end.
     waits_at_most: Duration,
 }
 
 impl Gate {
-    fn get(&self, (kind, id): (&str, Uuid)) -> Option<&Wait> {
-        self.waits.get(&id)?.iter().find(|w| w.kind == kind)
+    /// The claims `aggregate` was taken over from, with their work on it.
+    fn works(&self, aggregate: (&str, Uuid)) -> impl Iterator<Item = (&Work, Slot)> {
+        self.claims.iter().filter_map(move |(work, taken)| {
+            let slot = work.slot(aggregate)?;
+            match taken {
+                Some(taken) => taken.contains(&slot),
+                None => work.lock().entries.contains_key(&slot),
+            }
+            .then_some((&**work, slot))
+        })
+    }
+
+    /// How the work before on `aggregate` stands, in each claim it was taken over from.
+    fn entries(&self, aggregate: (&str, Uuid)) -> impl Iterator<Item = Entry> {
+        self.works(aggregate)
+            .map(|(work, slot)| work.lock().entries.get(&slot).copied().unwrap_or_default())
     }
 
     /// Whether `aggregate` was taken over.
     pub(super) fn holds(&self, aggregate: (&str, Uuid)) -> bool {
-        self.get(aggregate).is_some()
+        self.works(aggregate).next().is_some()
     }
 
     /// Whether `aggregate` was taken over from calls still running then (not only a record
     /// under way): its keys may wait as long as a retry in place.
     pub(super) fn waits_on_calls(&self, aggregate: (&str, Uuid)) -> bool {
-        self.get(aggregate).is_some_and(|w| w.calls_running)
+        self.entries(aggregate)
+            .any(|e| e.ending.is_none() && e.done.is_none_or(|settled| settled > self.taken_at))
     }
 
     /// Whether the claims of `aggregate` are given back: it was taken over, and the work
     /// before did not end clean (or has not yet).
     pub(super) fn gives_back(&self, aggregate: (&str, Uuid)) -> bool {
-        self.get(aggregate)
-            .is_some_and(|w| *w.ending.borrow() != Some(true))
+        self.entries(aggregate).any(|e| e.ending != Some(true))
     }
 
     /// Waits until the work before on `aggregate` ended: whether it ended clean (true at once
     /// if it was not taken over).
     pub(super) async fn wait(&self, aggregate: (&str, Uuid)) -> bool {
-        let Some(wait) = self.get(aggregate) else {
-            return true;
-        };
-        let mut ending = wait.ending.clone();
+        let works: Vec<(&Work, Slot)> = self.works(aggregate).collect();
         let ended = async {
-            matches!(
-                ending.wait_for(Option::is_some).await.as_deref(),
-                Ok(Some(true))
-            )
+            for (work, slot) in works {
+                // (Subscribed before the look: an ending after it is told.)
+                let mut told = work.ended.subscribe();
+                loop {
+                    match work.lock().entries.get(&slot).and_then(|e| e.ending) {
+                        Some(true) => break,
+                        Some(false) => return false,
+                        None => {}
+                    }
+                    // (The sender lives as long as the work.)
+                    let _ = told.changed().await;
+                }
+            }
+            true
         };
         tokio::time::timeout(self.waits_at_most, ended)
             .await
@@ -319,6 +428,16 @@ mod tests {
         Uuid::from_u128(n)
     }
 
+    /// The aggregates `take_over` names of `claim`, sorted; `None` if it takes it over whole.
+    fn named(take_over: &[TakeOver], claim: ClaimToken) -> Option<Vec<u128>> {
+        let t = take_over.iter().find(|t| t.claim == claim).unwrap();
+        (!t.whole).then(|| {
+            let mut ids: Vec<u128> = t.aggregates.iter().map(|(_, id)| id.as_u128()).collect();
+            ids.sort_unstable();
+            ids
+        })
+    }
+
     #[tokio::test]
     async fn later_work_waits_for_the_work_before_and_runs_only_after_it_ended_clean() {
         let successions = Successions::default();
@@ -326,27 +445,33 @@ mod tests {
         let holding = successions.hold(first, [("t", id(1)), ("t", id(2)), ("t", id(3))]);
         let (take_over, gate) = successions.take_over(Duration::from_secs(60));
         assert_eq!(take_over.len(), 1);
-        assert_eq!(take_over[0].claim, first);
-        assert_eq!(take_over[0].aggregates.len(), 3);
+        assert_eq!(
+            named(&take_over, first),
+            None,
+            "one claim, all clean: whole"
+        );
         let later = successions.hold(second, [("t", id(1))]);
         let (take_over, _) = successions.take_over(Duration::from_secs(60));
         assert_eq!(
-            take_over[0].aggregates.len(),
-            2,
+            named(&take_over, first),
+            Some(vec![2, 3]),
             "not aggregate 1, which a claim already waits for: {take_over:?}"
+        );
+        assert!(
+            take_over.iter().all(|t| t.claim != second),
+            "nor the claim waiting for it: {take_over:?}"
         );
 
         assert!(gate.holds(("t", Uuid::from_u128(1))));
         assert!(!gate.holds(("t", Uuid::from_u128(4))));
+        assert!(!gate.holds(("u", Uuid::from_u128(1))), "another type");
         assert!(gate.gives_back(("t", Uuid::from_u128(1))), "not ended yet");
         successions.settled(first, [("t", id(1)), ("t", id(2))].into_iter(), |a| {
             a == ("t", id(1))
         });
         let (take_over, gate_after) = successions.take_over(Duration::from_secs(60));
-        assert!(
-            !gate_after.waits_on_calls(("t", Uuid::from_u128(1))),
-            "done: {take_over:?}"
-        );
+        assert_eq!(named(&take_over, first), Some(vec![3]), "2 ended unclean");
+        assert!(!gate_after.holds(("t", Uuid::from_u128(1))), "held twice");
         assert!(
             gate_after.waits_on_calls(("t", Uuid::from_u128(3))),
             "still running"
@@ -354,6 +479,10 @@ mod tests {
         assert!(
             !gate_after.holds(("t", Uuid::from_u128(2))),
             "ended unclean"
+        );
+        assert!(
+            gate.waits_on_calls(("t", Uuid::from_u128(1))),
+            "running when the first gate was made"
         );
         successions.recorded(first, &[agg(1)]);
         assert!(gate.wait(("t", Uuid::from_u128(1))).await);
@@ -365,19 +494,64 @@ mod tests {
         let waiting = gate.wait(("t", Uuid::from_u128(3)));
         drop(holding);
         assert!(!waiting.await);
+        assert!(gate.gives_back(("t", Uuid::from_u128(3))));
         drop(later);
         let (take_over, _) = successions.take_over(Duration::from_secs(60));
         assert!(take_over.is_empty());
 
         // Aggregate 2 ended unclean: it is not taken over until a batch of it ends clean.
         let third = ClaimToken::new(3);
-        let _third = successions.hold(third, [("t", id(2))]);
-        let (_, gate) = successions.take_over(Duration::from_secs(60));
+        let _third = successions.hold(third, [("t", id(2)), ("t", id(5))]);
+        let (take_over, gate) = successions.take_over(Duration::from_secs(60));
         assert!(!gate.holds(("t", id(2))), "troubled");
+        assert!(gate.holds(("t", id(5))));
+        assert_eq!(named(&take_over, third), Some(vec![5]), "not whole");
         successions.recorded(third, &[agg(2)]);
         let _fourth = successions.hold(ClaimToken::new(4), [("t", id(2))]);
         let (_, gate) = successions.take_over(Duration::from_secs(60));
         assert!(gate.holds(("t", id(2))), "clean again");
+    }
+
+    #[tokio::test]
+    async fn a_claim_taken_over_whole_gates_each_of_its_aggregates_until_it_ends() {
+        let successions = Successions::default();
+        let first = ClaimToken::new(1);
+        let holding = successions.hold(first, [("t", id(1)), ("u", id(1)), ("t", id(2))]);
+        let (take_over, gate) = successions.take_over(Duration::from_secs(60));
+        assert_eq!(take_over, vec![TakeOver::whole(first)]);
+        assert!(gate.holds(("t", id(1))) && gate.holds(("u", id(1))));
+        assert!(!gate.holds(("v", id(1))) && !gate.holds(("t", id(3))));
+        // Recorded clean in parts: each aggregate is let go when its own record is applied.
+        successions.settled(first, [("t", id(1)), ("u", id(1))].into_iter(), |_| true);
+        successions.recorded(first, &[agg(1)]);
+        assert!(gate.wait(("t", id(1))).await);
+        assert!(!gate.gives_back(("t", id(1))));
+        assert!(
+            gate.gives_back(("u", id(1))),
+            "its record is not applied yet"
+        );
+        assert!(
+            gate.waits_on_calls(("u", id(1))),
+            "its calls were running when the claim was taken over"
+        );
+        let (_, gate_after) = successions.take_over(Duration::from_secs(60));
+        assert!(
+            !gate_after.waits_on_calls(("u", id(1))),
+            "its calls are over"
+        );
+        assert!(gate.waits_on_calls(("t", id(2))));
+        let (take_over, _) = successions.take_over(Duration::from_secs(60));
+        assert_eq!(
+            take_over,
+            vec![TakeOver::whole(first)],
+            "what is under way is still taken over whole"
+        );
+        drop(holding);
+        assert!(
+            !gate.wait(("u", id(1))).await,
+            "ended with the claim, unrecorded"
+        );
+        assert!(gate.wait(("t", id(1))).await, "recorded before");
     }
 
     #[tokio::test(start_paused = true)]
