@@ -647,9 +647,10 @@ pub trait Store: Send + Sync + 'static {
         false
     }
 
-    /// Whether [`claim`](Self::claim) honours [`ClaimFilter::take_over`]; false by default (the
-    /// filter's aggregates then stay held until the record of their claim ends, which is
-    /// correct too).
+    /// Whether [`claim`](Self::claim) honours [`ClaimFilter::take_over`] (the aggregates each
+    /// [`TakeOver`] names, or every aggregate of a claim it names [`whole`](TakeOver::whole));
+    /// false by default (the filter's aggregates then stay held until the record of their
+    /// claim ends, which is correct too).
     fn claims_take_over(&self) -> bool {
         false
     }
