@@ -45,6 +45,7 @@ on_every_backend!(
     an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers,
     graceful_shutdown_records_the_batch_in_progress,
     a_commit_in_this_process_wakes_an_idle_relay,
+    each_retry_a_relay_recorded_is_made_when_due_not_at_its_next_poll,
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
@@ -1683,6 +1684,31 @@ async fn a_commit_in_this_process_wakes_an_idle_relay<B: TestBackend>() {
     let a = Uuid::new_v4();
     publish_one(&outbox, a, 1).await;
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    worker.abort();
+}
+
+/// A relay that records retries due at different times wakes for each, not only for the
+/// first: a relay that polls once an hour makes both within seconds.
+async fn each_retry_a_relay_recorded_is_made_when_due_not_at_its_next_poll<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient]);
+    probe.fail("x", b, 1, [Fail::Transient]);
+    let sleepy = config()
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_retry_in_place(Duration::ZERO)
+        .with_retry(RetryPolicy::new([ms(300)]).unwrap());
+    let relay = relay(&outbox, OnlyX::new(&probe), sleepy);
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    publish_one(&outbox, a, 1).await;
+    wait_for(|| probe.calls_of("x").len() == 1).await;
+    // (Spaces the two retries: when a's is due, b's is not yet, so the relay makes a's alone
+    // and must still wake for b's.)
+    tokio::time::sleep(ms(150)).await;
+    publish_one(&outbox, b, 1).await;
+    wait_for(|| probe.delivered_to("x").len() == 2).await;
+    assert_eq!(probe.calls_of("x").len(), 4, "{:?}", probe.calls_of("x"));
     worker.abort();
 }
 

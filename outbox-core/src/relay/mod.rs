@@ -11,12 +11,14 @@
 //! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed while the
 //!   batch's last calls run.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
+//! - `due.rs`: when an idle relay looks again, for the retries and parked events it recorded.
 
 mod ahead;
 mod attempt;
 mod batch;
 mod builds;
 mod config;
+mod due;
 mod lease;
 mod plan;
 mod succession;
@@ -38,14 +40,12 @@ use tracing::field::Empty;
 use ahead::Progress;
 use batch::Clean;
 pub use config::{RelayConfig, Retention};
+use due::DueTimes;
 use lease::Lease;
 
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
-use crate::store::{
-    Batch, Claim, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Recorded, Status, Store,
-    TakeOver,
-};
+use crate::store::{Batch, Claim, ClaimToken, Outcomes, Recorded, Status, Store, TakeOver};
 use crate::telemetry;
 use succession::{Gate, Holding, Successions};
 
@@ -282,8 +282,8 @@ type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes, Clean)> +
 /// What the rests of split batches, finished beside the delivery loop, tell it.
 #[derive(Default)]
 struct Rests {
-    /// When the earliest retry or parked event they recorded is due.
-    next_due: Mutex<Option<Instant>>,
+    /// When the retries and parked events they recorded are due.
+    next_due: Mutex<DueTimes>,
 }
 
 impl<S: Store, R: Router> Relay<S, R> {
@@ -432,7 +432,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut unrecorded: Option<Unrecorded<'_>> = None;
         // When the earliest retry or parked event this relay recorded is due: an idle relay
         // looks again then, not only after its poll interval.
-        let mut next_due: Option<Instant> = None;
+        let mut next_due = DueTimes::default();
         // A relay starts with the smaller claim, as it knows nothing of its handlers yet: with
         // slow ones a whole batch holds every aggregate of a backlog and nothing can be claimed
         // ahead of it; with quick ones the next claims take the whole batch size.
@@ -472,7 +472,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                         outcomes
                     };
                     let (outcomes, claimed) = tokio::join!(record, next);
-                    note_due(&mut next_due, &outcomes);
+                    next_due.note(&outcomes);
                     claimed
                 }
             };
@@ -496,7 +496,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     // Everything was given back: record that, then wait for news (unless a
                     // batch was claimed ahead meanwhile).
                     self.record_or_log(token, &outcomes, false).await;
-                    note_due(&mut next_due, &outcomes);
+                    next_due.note(&outcomes);
                     if lookahead.next.is_none()
                         && self.idle(&mut shutdown, &mut next_due, rests).await
                     {
@@ -527,7 +527,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                                 .next_due
                                 .lock()
                                 .unwrap_or_else(PoisonError::into_inner);
-                            note_due(&mut next_due, &outcomes);
+                            next_due.note(&outcomes);
                         }
                         drop(holding);
                         self.freed.notify_one();
@@ -552,7 +552,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                         // Recorded before the next claim, which may then take the later events
                         // of the aggregates it frees.
                         let recorded = self.record_clean(token, &outcomes, true, &clean).await;
-                        note_due(&mut next_due, &outcomes);
+                        next_due.note(&outcomes);
                         let _ = part_recorded.send(recorded);
                     }
                 }
@@ -805,39 +805,40 @@ impl<S: Store, R: Router> Relay<S, R> {
         })
     }
 
-    /// Waits for a commit, the poll interval, `next_due` (which it clears once passed), or
-    /// `shutdown`, whichever comes first; true if `shutdown` came (it must not be polled again).
+    /// Waits for a commit, the poll interval, the next of `next_due` (those passed are
+    /// forgotten), or `shutdown`, whichever comes first; true if `shutdown` came (it must not
+    /// be polled again).
     async fn idle(
         &self,
         shutdown: &mut Pin<&mut impl Future<Output = ()>>,
-        next_due: &mut Option<Instant>,
+        next_due: &mut DueTimes,
         rests: &Rests,
     ) -> bool {
-        if let Some(due) = rests
-            .next_due
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take()
-        {
-            *next_due = Some(next_due.map_or(due, |d| d.min(due)));
-        }
+        next_due.absorb(
+            &mut rests
+                .next_due
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
         let now = Instant::now();
+        if next_due.take_passed(now) {
+            return false;
+        }
         let mut until = now + self.config.poll_interval;
-        if let Some(due) = *next_due {
-            if due <= now {
-                *next_due = None;
-                return false;
-            }
+        if let Some(due) = next_due.next() {
             until = until.min(due);
         }
-        tokio::select! {
+        let shut_down = tokio::select! {
             biased;
             () = shutdown.as_mut() => true,
             () = self.store.notified() => false,
             // Part of a split batch, or its rest, was recorded: its aggregates are free again.
             () = self.freed.notified() => false,
             () = tokio::time::sleep_until(until) => false,
-        }
+        };
+        // (The claim after this takes what is due by now.)
+        next_due.take_passed(Instant::now());
+        shut_down
     }
 
     /// Reads the store's [`Status`] and sets the [gauges](crate::telemetry) from it. A running
@@ -1089,31 +1090,6 @@ fn absorb(outcomes: &mut Outcomes, clean: &mut Clean, part: Outcomes, part_clean
     outcomes.events.extend(part.events);
     outcomes.deliveries.extend(part.deliveries);
     clean.extend(part_clean);
-}
-
-/// Brings `next_due` forward to when the earliest retry or parked event of `outcomes`, just
-/// recorded, is due (counted from after the record, so never before the store's own time).
-fn note_due(next_due: &mut Option<Instant>, outcomes: &Outcomes) {
-    if let Some(due) = earliest_due(outcomes) {
-        let due = Instant::now() + due;
-        *next_due = Some(next_due.map_or(due, |d| d.min(due)));
-    }
-}
-
-/// How soon the earliest retry or parked event of `outcomes` is due.
-fn earliest_due(outcomes: &Outcomes) -> Option<Duration> {
-    let events = outcomes
-        .events
-        .iter()
-        .filter_map(|(_, outcome)| match outcome {
-            EventOutcome::Parked { retry_in, .. } => Some(*retry_in),
-            _ => None,
-        });
-    let deliveries = outcomes.deliveries.iter().filter_map(|d| match &d.outcome {
-        DeliveryOutcome::Retry { retry_in, .. } => Some(*retry_in),
-        _ => None,
-    });
-    events.chain(deliveries).min()
 }
 
 #[cfg(test)]
