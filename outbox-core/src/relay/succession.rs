@@ -273,26 +273,30 @@ impl Successions {
         let mut take_over = Vec::new();
         let mut claims = Vec::new();
         for (i, ((token, work), entries)) in works.iter().zip(&locked).enumerate() {
-            let mut taken: Set<Slot> = Set::default();
-            let mut whole = !entries.unclean;
-            for (&slot, entry) in &entries.entries {
-                if entry.ending.is_some() {
-                    continue;
-                }
+            let may_take = |(&slot, entry): (&Slot, &Entry)| {
                 let aggregate = (work.kind(slot), slot.0);
-                if state.is_troubled(aggregate) || (works.len() > 1 && elsewhere(i, aggregate)) {
-                    whole = false;
-                } else {
-                    taken.insert(slot);
-                }
+                entry.ending.is_none()
+                    && !state.is_troubled(aggregate)
+                    && !(works.len() > 1 && elsewhere(i, aggregate))
+            };
+            let (mut under_way, mut taken) = (0, 0);
+            for (slot, entry) in &entries.entries {
+                under_way += usize::from(entry.ending.is_none());
+                taken += usize::from(may_take((slot, entry)));
             }
-            if taken.is_empty() {
+            if taken == 0 {
                 continue;
             }
-            if whole {
+            if !entries.unclean && taken == under_way {
                 take_over.push(TakeOver::whole(*token));
                 claims.push(((*work).clone(), None));
             } else {
+                let taken: Set<Slot> = entries
+                    .entries
+                    .iter()
+                    .filter(|&e| may_take(e))
+                    .map(|(&slot, _)| slot)
+                    .collect();
                 let aggregates = taken
                     .iter()
                     .map(|&slot| (work.kind(slot).to_owned(), slot.0))
