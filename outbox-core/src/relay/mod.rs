@@ -430,8 +430,8 @@ impl<S: Store, R: Router> Relay<S, R> {
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
         let mut unrecorded: Option<Unrecorded<'_>> = None;
-        // When the earliest retry or parked event this relay recorded is due: an idle relay
-        // looks again then, not only after its poll interval.
+        // When the retries and parked events this relay recorded are due: an idle relay looks
+        // again at each, not only after its poll interval.
         let mut next_due = DueTimes::default();
         // A relay starts with the smaller claim, as it knows nothing of its handlers yet: with
         // slow ones a whole batch holds every aggregate of a backlog and nothing can be claimed
