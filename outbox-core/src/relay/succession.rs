@@ -358,22 +358,22 @@ pub(super) struct Gate {
 }
 
 impl Gate {
-    /// The claims `aggregate` was taken over from, with their work on it.
-    fn works(&self, aggregate: (&str, Uuid)) -> impl Iterator<Item = (&Work, Slot)> {
+    /// The claims `aggregate` was taken over from, with how their work on it stands (each read
+    /// under one lock).
+    fn works(&self, aggregate: (&str, Uuid)) -> impl Iterator<Item = (&Work, Slot, Entry)> {
         self.claims.iter().filter_map(move |(work, taken)| {
             let slot = work.slot(aggregate)?;
-            match taken {
-                Some(taken) => taken.contains(&slot),
-                None => work.lock().entries.contains_key(&slot),
+            if taken.as_ref().is_some_and(|taken| !taken.contains(&slot)) {
+                return None;
             }
-            .then_some((&**work, slot))
+            let entry = *work.lock().entries.get(&slot)?;
+            Some((&**work, slot, entry))
         })
     }
 
     /// How the work before on `aggregate` stands, in each claim it was taken over from.
     fn entries(&self, aggregate: (&str, Uuid)) -> impl Iterator<Item = Entry> {
-        self.works(aggregate)
-            .map(|(work, slot)| work.lock().entries.get(&slot).copied().unwrap_or_default())
+        self.works(aggregate).map(|(_, _, entry)| entry)
     }
 
     /// Whether `aggregate` was taken over.
@@ -397,7 +397,10 @@ impl Gate {
     /// Waits until the work before on `aggregate` ended: whether it ended clean (true at once
     /// if it was not taken over).
     pub(super) async fn wait(&self, aggregate: (&str, Uuid)) -> bool {
-        let works: Vec<(&Work, Slot)> = self.works(aggregate).collect();
+        let works: Vec<(&Work, Slot)> = self
+            .works(aggregate)
+            .map(|(work, slot, _)| (work, slot))
+            .collect();
         let ended = async {
             for (work, slot) in works {
                 // (Subscribed before the look: an ending after it is told.)
