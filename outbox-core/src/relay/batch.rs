@@ -2,7 +2,6 @@
 //! order; a failure holds its key's later calls back; a handler starts only while the batch's
 //! claim outlasts the handler timeout. Then the outcomes are put together in claim order.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 
@@ -22,7 +21,7 @@ use super::builds::Others;
 use super::lease::Lease;
 use super::plan::{self, Plan, Planned, Routes, Slot, Step};
 use super::succession::Gate;
-use super::{BatchReport, Relay};
+use super::{BatchReport, Map, Relay, Set};
 use crate::error::DecodeError;
 use crate::routing::{Decoded, Router};
 use crate::store::{
@@ -158,14 +157,20 @@ impl<S: Store, R: Router> Relay<S, R> {
         let parts = split.is_some();
         // The aggregates recorded in parts: the first one sent to `split`, the later ones
         // recorded from here, one at a time, as more aggregates are done.
-        let mut recorded: HashSet<(&str, Uuid)> = HashSet::new();
+        let mut recorded: Set<(&str, Uuid)> = Set::default();
         let mut recording: Option<Pin<Box<dyn Future<Output = bool> + Send + '_>>> = None;
         let mut parts_recorded = true;
+        // Whether a queue ended since the aggregates done were last looked for (at first:
+        // aggregates without queues are done).
+        let mut queue_ended = true;
         loop {
             tokio::select! {
                 biased;
                 next = running.next() => match next {
-                    Some((index, result)) => ran[index] = Some(result),
+                    Some((index, result)) => {
+                        ran[index] = Some(result);
+                        queue_ended = true;
+                    }
                     None => break,
                 },
                 Some(applied) = OptionFuture::from(recording.as_mut()) => {
@@ -188,14 +193,18 @@ impl<S: Store, R: Router> Relay<S, R> {
             // (The batch claimed ahead starts beside this one's last calls through an empty
             // first part: the aggregates done are recorded with the rest, as they would have
             // been with the whole batch, for no record more.)
-            let held_back = calls.held_back();
+            // (Without a queue ended since the last look, no aggregate is done that was not.)
+            let held_back = queue_ended && calls.held_back();
             let room = split.is_some() && calls.leaves_room();
             if !(held_back || room) {
                 continue;
             }
             let mut done = match held_back {
-                true => done_aggregates(&plan, &ran),
-                false => HashSet::new(),
+                true => {
+                    queue_ended = false;
+                    done_aggregates(&plan, &ran)
+                }
+                false => Set::default(),
             };
             done.retain(|a| !recorded.contains(a));
             // (The first part goes to the delivery loop even when empty: the loop then claims
@@ -301,7 +310,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         if !self.store.claims_take_over() {
             return;
         }
-        let clean: HashSet<(&str, Uuid)> = clean.iter().map(|(t, id)| (t.as_str(), *id)).collect();
+        let clean: Set<(&str, Uuid)> = clean.iter().map(|(t, id)| (t.as_str(), *id)).collect();
         let part = plan
             .claims
             .iter()
@@ -602,7 +611,7 @@ fn assemble_with<D>(
     let mut outcomes = Outcomes::default();
     // Per aggregate of the part, in order: whether every claim of it so far ended clean.
     let mut clean: Vec<((&str, Uuid), bool)> = Vec::new();
-    let mut seen: HashMap<(&str, Uuid), usize> = HashMap::new();
+    let mut seen: Map<(&str, Uuid), usize> = Map::default();
     for ((claim, results), release) in plan.claims.iter().zip(results).zip(release_whole) {
         let aggregate = claim.aggregate();
         if !aggregate.is_none_or(in_part) {
@@ -685,8 +694,8 @@ fn assemble_with<D>(
 fn done_aggregates<'p, D>(
     plan: &'p Plan<D>,
     ran: &[Option<Vec<(Step, Ran)>>],
-) -> HashSet<(&'p str, Uuid)> {
-    let busy: HashSet<(&str, Uuid)> = plan
+) -> Set<(&'p str, Uuid)> {
+    let busy: Set<(&str, Uuid)> = plan
         .queues
         .iter()
         .zip(ran)
@@ -704,7 +713,7 @@ fn done_aggregates<'p, D>(
 /// Which fanned-out events are given back whole: none of their handlers was called, one for
 /// want of lease, and no later claim of their aggregate is kept.
 fn given_back_whole<D>(claims: &[Planned<D>], results: &[Vec<Option<Ran>>]) -> Vec<bool> {
-    let mut kept: HashSet<(&str, Uuid)> = HashSet::new();
+    let mut kept: Set<(&str, Uuid)> = Set::default();
     let mut kept_all = false;
     let mut release = vec![false; claims.len()];
     for (index, claim) in claims.iter().enumerate().rev() {
@@ -885,7 +894,7 @@ mod tests {
         ];
         let done = done_aggregates(&plan, &ran);
         let one = ("t", Uuid::from_u128(1));
-        assert_eq!(done, HashSet::from([one]));
+        assert_eq!(done, Set::from_iter([one]));
 
         let part: Vec<_> = [ran[0].take().unwrap(), ran[1].take().unwrap()].into();
         let (succeeded, first) = assemble(&plan, part, &|a| done.contains(&a));

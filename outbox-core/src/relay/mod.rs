@@ -49,6 +49,12 @@ use crate::store::{Batch, Claim, ClaimToken, Outcomes, Recorded, Status, Store, 
 use crate::telemetry;
 use succession::{Gate, Holding, Successions};
 
+/// Maps and sets the relay fills and reads for every batch, keyed by aggregates, keys of a
+/// batch's plan or claim tokens (random ids, and from the relay's own store): the hasher is a
+/// quick one.
+type Map<K, V> = std::collections::HashMap<K, V, foldhash::fast::RandomState>;
+type Set<T> = std::collections::HashSet<T, foldhash::fast::RandomState>;
+
 /// What one batch did.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]

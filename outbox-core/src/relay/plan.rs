@@ -7,12 +7,12 @@
 //! a key held back by the store or by an earlier decision wait. What a handler's failure holds
 //! back is decided as the queue runs (`batch.rs`).
 
-use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use uuid::Uuid;
 
 use super::attempt::stored_text;
+use super::{Map, Set};
 use crate::error::DecodeError;
 use crate::store::{Claim, DeliveryOutcome, DeliveryRecord, EventOutcome, StoredEvent};
 use crate::telemetry::{self, status};
@@ -160,15 +160,15 @@ fn key(subscriber: &str, event: &StoredEvent) -> Key {
 #[derive(Default)]
 struct Planner {
     /// Keys whose later claims must wait: held back by the store or by a decision of this batch.
-    blocked: HashSet<Key>,
+    blocked: Set<Key>,
     /// Aggregates with an event parked or dead in this batch: their later events are released.
-    stalled: HashSet<(String, Uuid)>,
+    stalled: Set<(String, Uuid)>,
     /// An event whose aggregate could not be read died: every later event is released.
     stall_all: bool,
-    queue_of: HashMap<Key, usize>,
+    queue_of: Map<Key, usize>,
     queues: Vec<Vec<Step>>,
     /// Keys of renamed subscribers whose waiting deliveries are stored under a former name.
-    stored_as: HashMap<Key, String>,
+    stored_as: Map<Key, String>,
 }
 
 impl Planner {

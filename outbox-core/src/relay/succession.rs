@@ -18,22 +18,17 @@
 //! aggregate's events still reach each subscriber in order, and a handling that is repeated
 //! (a record lost) is followed by its later events again, never overtaken by them.
 
-use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::watch;
 use uuid::Uuid;
 
+use super::{Map, Set};
 use crate::store::{ClaimToken, TakeOver};
 
 /// An aggregate: (type, id).
 pub(super) type Aggregate = (String, Uuid);
-
-/// Maps keyed by aggregate ids (random, and from the relay's own store) or claim tokens: every
-/// batch fills and reads one with each of its aggregates, so the hasher is a quick one.
-type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
-type Set<T> = HashSet<T, foldhash::fast::RandomState>;
 
 /// An aggregate within one claim's [`Work`]: its id and the index of its type in
 /// [`Work::kinds`] (a claim has few types; an entry is then found without building a key).
