@@ -12,7 +12,9 @@
 //! 127.0.0.1:3306 or `MYSQL_URL`), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
-//! `--pressure-minutes N` (5),
+//! `--pressure-minutes N` (5), `--retention S` (in `pressure`: published events are deleted
+//! S seconds after, by our relay's retention and by a purge beside the raw loop; without it,
+//! the default 30 days and nothing),
 //! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`,
 //! `transactional`, `nats` and the tuned `drain`; the defaults otherwise), `--raw-batch N` (500:
 //! how many events a cycle of the raw loop claims in `drain`).
@@ -92,6 +94,7 @@ struct Options {
     window: u64,
     soak_minutes: u64,
     pressure_minutes: u64,
+    retention: Option<u64>,
     batch: Option<u32>,
     concurrency: Option<usize>,
     raw_batch: i64,
@@ -141,6 +144,8 @@ options:
   --window N            how long lag must stay flat in `sustained` (60)
   --soak-minutes N      (10)
   --pressure-minutes N  (5)
+  --retention S         in pressure: keep published events S seconds (ours: the relay's
+                        retention; raw: a purge beside the loop), not the default 30 days
   --batch N             the relay's batch size in handlers, writes, failures, transactional,
                         nats and the tuned drain (the default otherwise)
   --concurrency N       the relay's concurrency, in the same scenarios
@@ -165,6 +170,7 @@ fn options() -> Options {
         window: 60,
         soak_minutes: 10,
         pressure_minutes: 5,
+        retention: None,
         batch: None,
         concurrency: None,
         raw_batch: RAW_BATCH,
@@ -189,6 +195,7 @@ fn options() -> Options {
             "--window" => options.window = number("--window"),
             "--soak-minutes" => options.soak_minutes = number("--soak-minutes"),
             "--pressure-minutes" => options.pressure_minutes = number("--pressure-minutes"),
+            "--retention" => options.retention = Some(number("--retention")),
             "--batch" => options.batch = Some(number("--batch") as u32),
             "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
             "--raw-batch" => options.raw_batch = number("--raw-batch") as i64,
@@ -1116,7 +1123,7 @@ async fn main() {
             }
             "pressure" => {
                 let half = sustained_half(&options).await;
-                pressure::pressure(half, options.pressure_minutes, 2).await;
+                pressure::pressure(half, options.pressure_minutes, 2, options.retention).await;
             }
             "soak" => {
                 let half = sustained_half(&options).await;

@@ -4,12 +4,14 @@
 //! and offered events per second, commit-to-handler latency (p50, p99) per 30 s window; dead
 //! tuples and sizes of the tables at the start, at the end of the pressure and after. The
 //! tables are vacuumed as autovacuum would (it cannot reclaim what the held snapshot may see).
+//! With a retention (`--retention S`), published events are deleted S seconds after their
+//! publication, on both sides, and the figures start once the table holds that much.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use outbox_core::RelayConfig;
+use outbox_core::{RelayConfig, Retention};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use super::{
@@ -27,17 +29,33 @@ const TABLES: [&str; 3] = [
     "events.outbox_deliveries",
 ];
 
-pub(crate) async fn pressure(rate: f64, pressure_minutes: u64, after_minutes: u64) {
+pub(crate) async fn pressure(
+    rate: f64,
+    pressure_minutes: u64,
+    after_minutes: u64,
+    retention: Option<u64>,
+) {
+    let retention = retention.map(Duration::from_secs);
     println!(
         "(6) pressure: {rate:.0} events/s offered; a session holds its snapshot for \
-         {pressure_minutes} min, then ends; {after_minutes} min after"
+         {pressure_minutes} min, then ends; {after_minutes} min after; {}",
+        match retention {
+            Some(keep) => format!("published events kept {} s", keep.as_secs()),
+            None => "published events kept (the default 30 days)".to_owned(),
+        }
     );
     for raw in [false, true] {
-        run(raw, rate, pressure_minutes, after_minutes).await;
+        run(raw, rate, pressure_minutes, after_minutes, retention).await;
     }
 }
 
-async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
+async fn run(
+    raw: bool,
+    rate: f64,
+    pressure_minutes: u64,
+    after_minutes: u64,
+    retention: Option<Duration>,
+) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
     sqlx::query("CREATE EXTENSION IF NOT EXISTS pgstattuple")
@@ -49,7 +67,20 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
     let relay_task = if raw {
         tokio::spawn(raw_relay(pool.clone(), meter.clone(), stop.clone()))
     } else {
-        spawn_relay(&outbox, &meter, &stop, RelayConfig::default())
+        let config = match retention {
+            // As the soak: the relay purges in batches of 5000, every 10 s when it finds little.
+            Some(keep) => RelayConfig::default().with_retention(
+                Retention::keep(keep)
+                    .with_batch_size(5_000)
+                    .with_interval(PURGE_EVERY),
+            ),
+            None => RelayConfig::default(),
+        };
+        spawn_relay(&outbox, &meter, &stop, config)
+    };
+    let purge = match (raw, retention) {
+        (true, Some(keep)) => Some(tokio::spawn(raw_purge(pool.clone(), keep, stop.clone()))),
+        _ => None,
     };
     let producers = spawn_producers(&outbox, &ids, rate, raw, &meter, true, &stop);
     println!(
@@ -61,8 +92,9 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
         }
     );
     let vacuum = vacuum_as_autovacuum_would(&pool, &stop).await;
-    // A window to settle before the first figures.
-    tokio::time::sleep(WINDOW).await;
+    // A window to settle before the first figures; with a retention, until the table holds
+    // what it keeps (and a window more).
+    tokio::time::sleep(WINDOW + retention.unwrap_or_default()).await;
     report_tables(&pool, "start").await;
 
     // Out of the pool: the session that holds the snapshot.
@@ -95,8 +127,40 @@ async fn run(raw: bool, rate: f64, pressure_minutes: u64, after_minutes: u64) {
         task.await.unwrap();
     }
     relay_task.await.unwrap();
+    if let Some(purge) = purge {
+        purge.await.unwrap();
+    }
     if let Some(vacuum) = vacuum {
         vacuum.await.unwrap();
+    }
+}
+
+/// How often the purges look for old events when they found few.
+const PURGE_EVERY: Duration = Duration::from_secs(10);
+
+/// The raw loop's retention: deletes events published more than `keep` ago, 5000 per
+/// statement (by the published index the migrations make), then waits when a batch was short.
+async fn raw_purge(pool: PgPool, keep: Duration, stop: Arc<AtomicBool>) {
+    while !stop.load(Ordering::Relaxed) {
+        let deleted = sqlx::query(
+            "DELETE FROM events.outbox WHERE id IN (
+                 SELECT id FROM events.outbox
+                 WHERE published_at IS NOT NULL
+                   AND published_at < now() - $1 * interval '1 second'
+                 ORDER BY published_at, id
+                 LIMIT 5000)",
+        )
+        .bind(keep.as_secs_f64())
+        .execute(&pool)
+        .await
+        .unwrap()
+        .rows_affected();
+        if deleted < 5000 {
+            let until = Instant::now() + PURGE_EVERY;
+            while Instant::now() < until && !stop.load(Ordering::Relaxed) {
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
     }
 }
 
