@@ -92,6 +92,11 @@ pub struct Batch {
     /// relay reads the registry again before it fans this batch out. `None` for a store
     /// without a registry.
     pub registry: Option<String>,
+    /// How long after the claim the earliest retry or parked event that was not due yet
+    /// becomes due, if the store knows (`None`: nothing waits for a time, or the store does
+    /// not say). A relay that found no work wakes then, whoever recorded that retry (another
+    /// relay, or this one before it restarted), not only at its poll interval.
+    pub next_due: Option<Duration>,
 }
 
 impl Batch {
@@ -102,6 +107,7 @@ impl Batch {
             claims,
             more: false,
             registry: None,
+            next_due: None,
         }
     }
 
@@ -114,6 +120,13 @@ impl Batch {
     #[must_use]
     pub fn with_more(mut self, more: bool) -> Self {
         self.more = more;
+        self
+    }
+
+    /// Says how long after the claim the earliest retry or parked event not due yet is due.
+    #[must_use]
+    pub fn with_next_due(mut self, next_due: Option<Duration>) -> Self {
+        self.next_due = next_due;
         self
     }
 

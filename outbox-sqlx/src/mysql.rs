@@ -96,6 +96,8 @@ const NAMES: &str = "(SELECT name COLLATE utf8mb4_bin AS name
 pub struct MySqlQueries {
     lock: SqlStr,
     now: SqlStr,
+    /// When the earliest retry and the earliest parked event not due at `?` are due.
+    next_due: SqlStr,
     lock_aggregate: SqlStr,
     outbox: String,
     aggregate_locks: String,
@@ -283,6 +285,11 @@ impl Backend for MySql {
                 "SELECT UTC_TIMESTAMP(6) FROM {claim_lock} WHERE id = 1 FOR UPDATE"
             )),
             now: sql("SELECT UTC_TIMESTAMP(6)".to_owned()),
+            // (`deliveries_due_idx`, `parked_idx`: a probe each.)
+            next_due: sql(format!(
+                "SELECT (SELECT min(due_at) FROM {deliveries} WHERE due_at > ? AND claim_id IS NULL),
+                        (SELECT min(parked_until) FROM {outbox} WHERE parked_until > ?)"
+            )),
             lock_aggregate: sql(format!(
                 "UPDATE {aggregate_locks} SET slot = slot WHERE slot = ?"
             )),
@@ -902,8 +909,22 @@ LIMIT ?"#
             Vec::new()
         };
         if claimable.is_empty() && due.is_empty() {
+            // (For the relay to wake when the next retry is due, whoever recorded it.)
+            let (retry, parked): (Option<PrimitiveDateTime>, Option<PrimitiveDateTime>) =
+                sqlx::query_as(queries.next_due.clone())
+                    .bind(now)
+                    .bind(now)
+                    .fetch_one(&mut *tx)
+                    .await?;
             tx.commit().await?;
-            return Ok(Batch::empty().with_more(more).with_registry(Some(registry)));
+            let next_due = retry.into_iter().chain(parked).min().map(|at| {
+                let micros = u64::try_from((at - now).whole_microseconds()).unwrap_or(0);
+                Duration::from_millis(micros.div_ceil(1000))
+            });
+            return Ok(Batch::empty()
+                .with_more(more)
+                .with_registry(Some(registry))
+                .with_next_due(next_due));
         }
         let ids = claimable
             .iter()

@@ -891,7 +891,7 @@ UNION ALL
 -- NULL), the lowest claim live
 -- after this one (NULL: none), the version of the relay registry this claim saw, and what the
 -- event floor needs (`EventFloor`): the releases count, this claim's bound, its snapshot's
--- xmin and xmax.
+-- xmin and xmax; and when the next retry not due yet is due.
 SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
        least((SELECT min(c.id) FROM {claims} AS c
               WHERE c.id >= $6 AND c.id <> ALL(ARRAY(SELECT g.id FROM gone AS g))),
@@ -911,7 +911,18 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
                 WHERE w.published_at IS NULL AND w.dead_at IS NULL
                   AND (w.next_retry_at IS NOT NULL OR w.held_by IS NOT NULL)))::text,
            pg_snapshot_xmin(pg_current_snapshot())::text,
-           pg_snapshot_xmax(pg_current_snapshot())::text]"#
+           pg_snapshot_xmax(pg_current_snapshot())::text,
+           -- Milliseconds until the earliest retry or parked event not due yet (`due_idx`,
+           -- `parked_idx`: a probe each), so that an idle relay wakes for it.
+           (SELECT ceil(extract(epoch FROM min(n.at) - now()) * 1000)::int8
+            FROM ((SELECT d.next_retry_at AS at FROM {deliveries} AS d
+                   WHERE d.dead_at IS NULL AND d.next_retry_at > now() AND d.claim_id IS NULL
+                   ORDER BY d.next_retry_at LIMIT 1)
+                  UNION ALL
+                  (SELECT o.next_retry_at FROM {outbox} AS o
+                   WHERE o.published_at IS NULL AND o.dead_at IS NULL
+                     AND o.next_retry_at > now()
+                   ORDER BY o.next_retry_at LIMIT 1)) AS n)::text]"#
             )),
             renew: sql(format!(
                 "UPDATE {claims} SET until = clock_timestamp() + $2 * interval '1 second'
@@ -1264,15 +1275,18 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 .unwrap_or_else(PoisonError::into_inner);
             events_floor.advance(released, bound, xmin, xmax);
         }
+        let next_due = seen(4).parse().ok().map(Duration::from_millis);
         let Some(token) = token.filter(|_| !claims.is_empty()) else {
             return Ok(Batch::empty()
                 .with_more(for_next > 0)
-                .with_registry(registry));
+                .with_registry(registry)
+                .with_next_due(next_due));
         };
         claims.sort_by(|a, b| a.order_key().cmp(&b.order_key()));
         Ok(Batch::new(ClaimToken::new(token), claims)
             .with_more(for_next > 0)
-            .with_registry(registry))
+            .with_registry(registry)
+            .with_next_due(next_due))
     }
 
     async fn register(

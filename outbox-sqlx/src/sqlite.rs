@@ -98,6 +98,8 @@ pub struct SqliteQueries {
     candidates: SqlStr,
     mark: SqlStr,
     due_deliveries: SqlStr,
+    /// When the earliest retry or parked event not due at `$1` is due.
+    next_due: SqlStr,
     /// Gives the first delivery of a key its due time, if it waited behind another.
     promote_head: SqlStr,
     new_claim: SqlStr,
@@ -162,6 +164,12 @@ fn from_micros(micros: i64) -> OffsetDateTime {
 
 fn now() -> i64 {
     micros(OffsetDateTime::now_utc())
+}
+
+/// The time from `now` to `at` (microseconds since the epoch), rounded up to the millisecond.
+fn micros_until(now: i64, at: i64) -> Duration {
+    let micros = u64::try_from(at.saturating_sub(now)).unwrap_or(0);
+    Duration::from_millis(micros.div_ceil(1000))
 }
 
 fn after(delay: Duration) -> i64 {
@@ -294,6 +302,16 @@ UPDATE {outbox} SET held_by = json_extract(m.value, '$[1]'),
                     held_behind = json_extract(m.value, '$[2]')
 FROM json_each($1) AS m
 WHERE {outbox}.id = json_extract(m.value, '$[0]')"#
+            )),
+            next_due: sql(format!(
+                r#"
+SELECT min(at) FROM (
+    SELECT min(next_retry_at) AS at FROM {deliveries}
+    WHERE dead_at IS NULL AND next_retry_at > $1 AND claim_id IS NULL
+    UNION ALL
+    SELECT min(next_retry_at) FROM {outbox}
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at > $1
+)"#
             )),
             due_deliveries: sql(format!(
                 r#"
@@ -704,10 +722,16 @@ LIMIT $4"#
             .fetch_one(&mut *tx)
             .await?;
         if claimable.is_empty() && due.is_empty() {
+            // (For the relay to wake when the next retry is due, whoever recorded it.)
+            let next_due: Option<i64> = sqlx::query_scalar(queries.next_due.clone())
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?;
             tx.commit().await?;
             return Ok(Batch::empty()
                 .with_more(!marks.is_empty())
-                .with_registry(Some(registry)));
+                .with_registry(Some(registry))
+                .with_next_due(next_due.map(|at| micros_until(now, at))));
         }
         let token: i64 = sqlx::query_scalar(queries.new_claim.clone())
             .bind(until)
@@ -1372,6 +1396,15 @@ mod tests {
 
     use super::*;
     use crate::Outbox;
+
+    #[test]
+    fn a_due_time_is_counted_in_milliseconds_rounded_up_never_negative() {
+        assert_eq!(micros_until(1_000, 1_000), Duration::ZERO);
+        assert_eq!(micros_until(1_000, 1_001), Duration::from_millis(1));
+        assert_eq!(micros_until(1_000, 41_000), Duration::from_millis(40));
+        assert_eq!(micros_until(1_000, 41_001), Duration::from_millis(41));
+        assert_eq!(micros_until(5_000, 1_000), Duration::ZERO);
+    }
 
     /// The steps of SQLite's plan for `statement` that read a table or an index whole, but for
     /// the partial indexes of unpublished events (`pending_idx` is read in order up to the

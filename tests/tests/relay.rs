@@ -46,6 +46,8 @@ on_every_backend!(
     graceful_shutdown_records_the_batch_in_progress,
     a_commit_in_this_process_wakes_an_idle_relay,
     each_retry_a_relay_recorded_is_made_when_due_not_at_its_next_poll,
+    a_retry_another_relay_recorded_is_made_when_due_not_at_the_next_poll,
+    an_event_another_relay_parked_is_looked_at_again_when_due_not_at_the_next_poll,
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
@@ -1709,6 +1711,98 @@ async fn each_retry_a_relay_recorded_is_made_when_due_not_at_its_next_poll<B: Te
     publish_one(&outbox, b, 1).await;
     wait_for(|| probe.delivered_to("x").len() == 2).await;
     assert_eq!(probe.calls_of("x").len(), 4, "{:?}", probe.calls_of("x"));
+    worker.abort();
+}
+
+/// A retry that another relay recorded (or this one, before it restarted) is made when it is
+/// due: a relay that polls once an hour learns from its claims when the next retry it cannot
+/// take yet will be due, and wakes then.
+async fn a_retry_another_relay_recorded_is_made_when_due_not_at_the_next_poll<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let retry_after = Duration::from_secs(2);
+    let sleepy = config()
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_retry_in_place(Duration::ZERO)
+        .with_retry(RetryPolicy::new([retry_after]).unwrap());
+    // The first relay makes the call that fails, records its retry and stops.
+    let first = relay(&outbox, OnlyX::new(&probe), sleepy.clone());
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let started = std::time::Instant::now();
+    let worker = tokio::spawn(async move {
+        first
+            .run(async {
+                let _ = stop_rx.await;
+            })
+            .await;
+    });
+    publish_one(&outbox, a, 1).await;
+    wait_for(|| probe.calls_of("x").len() == 1).await;
+    stop_tx.send(()).unwrap();
+    tokio::time::timeout(WAIT, worker)
+        .await
+        .expect("run returns after shutdown")
+        .unwrap();
+    // (Else the second relay's first claim would find the retry due, which proves nothing.)
+    assert!(
+        started.elapsed() < retry_after,
+        "the first relay took {:?}",
+        started.elapsed()
+    );
+    // The second finds nothing due at first, then makes the retry when it is due.
+    let second = relay(&outbox, OnlyX::new(&probe), sleepy);
+    let worker = tokio::spawn(async move { second.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    assert!(
+        started.elapsed() >= retry_after,
+        "made {:?} after the first call, before it was due",
+        started.elapsed()
+    );
+    assert_eq!(probe.calls_of("x").len(), 2, "{:?}", probe.calls_of("x"));
+    worker.abort();
+}
+
+/// The same for a parked event (a payload of a newer version): a relay that polls once an
+/// hour looks at it again when its park ends, though another relay parked it.
+async fn an_event_another_relay_parked_is_looked_at_again_when_due_not_at_the_next_poll<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let id = insert_raw::<B>(
+        outbox.pool(),
+        "Ping",
+        a,
+        &format!(r#"{{"version":2,"data":{{"aggregate":"{a}","seq":1}}}}"#),
+    )
+    .await;
+    let park = Duration::from_secs(2);
+    let sleepy = config()
+        .with_poll_interval(Duration::from_secs(3600))
+        .with_park_delay(park);
+    let started = std::time::Instant::now();
+    let first = relay(&outbox, OnlyX::new(&probe), sleepy.clone());
+    assert_eq!(first.run_once().await.unwrap().parked, 1);
+    assert!(
+        started.elapsed() < park,
+        "the first relay took {:?}",
+        started.elapsed()
+    );
+    let second = relay(&outbox, OnlyX::new(&probe), sleepy);
+    let worker = tokio::spawn(async move { second.run(std::future::pending()).await });
+    // Parked again when its park ended: the second relay looked at it then.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while event_state::<B>(outbox.pool(), id).await.2 < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not looked at again within {WAIT:?}"
+        );
+        tokio::time::sleep(ms(20)).await;
+    }
+    assert!(started.elapsed() >= park, "looked at before its park ended");
     worker.abort();
 }
 

@@ -1,4 +1,6 @@
-//! When an idle relay looks again: the due times of the retries and parked events it recorded.
+//! When an idle relay looks again: the due times of the retries and parked events it recorded,
+//! and the next one its store reported (`Batch::next_due`: recorded by another relay, or by
+//! this one before it restarted).
 //!
 //! Every due time is kept until it passes, not only the earliest: a relay that woke for the
 //! earliest retry and claimed it alone (the next was not due yet) must still wake for the next,
@@ -42,6 +44,14 @@ impl DueTimes {
             if let Some(at) = now.checked_add(due_in) {
                 self.insert(at);
             }
+        }
+    }
+
+    /// Notes a due time `due_in` from now (a store's, read as it comes: never before the
+    /// store's own time).
+    pub(super) fn note_in(&mut self, due_in: Duration) {
+        if let Some(at) = Instant::now().checked_add(due_in) {
+            self.insert(at);
         }
     }
 
@@ -134,6 +144,20 @@ mod tests {
         assert!(due.take_passed(Instant::now()));
         assert_eq!(due.next(), None);
         assert!(!due.take_passed(Instant::now()));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_due_time_a_store_reported_counts_from_when_it_is_read() {
+        let mut due = DueTimes::default();
+        tokio::time::advance(7 * MS).await;
+        let read = Instant::now();
+        due.note_in(40 * MS);
+        assert_eq!(due.next(), Some(read + 40 * MS));
+        assert!(!due.take_passed(read + 39 * MS));
+        assert!(due.take_passed(read + 40 * MS));
+        // (A store that says "due in 0": at once.)
+        due.note_in(Duration::ZERO);
+        assert!(due.take_passed(Instant::now()));
     }
 
     #[tokio::test(start_paused = true)]

@@ -278,8 +278,12 @@ enum Claimed<'a> {
         rest: Running<'a>,
         holding: Option<Holding<'a>>,
     },
-    /// No work; `more` when the store may find some if asked again at once.
-    Nothing { more: bool },
+    /// No work; `more` when the store may find some if asked again at once; `next_due`: when
+    /// the store's earliest retry not due yet is due, from the claim (`Batch::next_due`).
+    Nothing {
+        more: bool,
+        next_due: Option<Duration>,
+    },
 }
 
 /// A batch's delivery under way: its report and outcomes when it is done.
@@ -564,9 +568,13 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
                 // Events were set aside, or the batch just recorded may have held some back:
                 // look again at once.
-                Ok(Claimed::Nothing { more }) if more || recording => failures.reset(),
-                Ok(Claimed::Nothing { .. }) => {
+                Ok(Claimed::Nothing { more, .. }) if more || recording => failures.reset(),
+                Ok(Claimed::Nothing { next_due: due, .. }) => {
                     failures.reset();
+                    // (Retries recorded by other relays, or by this one before a restart.)
+                    if let Some(due) = due {
+                        next_due.note_in(due);
+                    }
                     if self.idle(&mut shutdown, &mut next_due, rests).await {
                         return;
                     }
@@ -658,7 +666,10 @@ impl<S: Store, R: Router> Relay<S, R> {
                     )
                     .await?;
                 if batch.is_empty() {
-                    return Ok(Claimed::Nothing { more: batch.more });
+                    return Ok(Claimed::Nothing {
+                        more: batch.more,
+                        next_due: batch.next_due,
+                    });
                 }
                 lookahead.claim_takes = Some(took);
                 let lease = Lease::new(batch.token, self.config.lease, sent);
@@ -932,7 +943,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 (token, report, outcomes, clean, holding)
             }
             Claimed::Split { .. } => unreachable!("a batch is split only when asked"),
-            Claimed::Nothing { more } => {
+            Claimed::Nothing { more, .. } => {
                 return Ok(BatchReport {
                     more,
                     ..BatchReport::default()
