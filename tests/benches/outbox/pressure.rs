@@ -103,7 +103,7 @@ async fn run(
         .execute(&mut holder)
         .await
         .unwrap();
-    println!("    window  phase     offered/s  delivered/s  p50 ms  p99 ms  backlog");
+    println!("    window  phase     offered/s  delivered/s  p50 ms  p99 ms  backlog  outbox MB");
     let windows = |minutes: u64| minutes * 60 / WINDOW.as_secs();
     let mut window = 0;
     for _ in 0..windows(pressure_minutes) {
@@ -181,10 +181,16 @@ async fn measure(pool: &PgPool, meter: &Meter, window: u32, phase: &str) {
             .fetch_one(pool)
             .await
             .unwrap();
+    // (With its indexes and TOAST, as in `report_tables`: when a vacuum gives space back.)
+    let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('events.outbox')")
+        .fetch_one(pool)
+        .await
+        .unwrap();
     println!(
-        "    {window:>6}  {phase:<8}  {offered:>9.0}  {delivered:>11.0}  {:>6.1}  {:>6.1}  {backlog:>7}",
+        "    {window:>6}  {phase:<8}  {offered:>9.0}  {delivered:>11.0}  {:>6.1}  {:>6.1}  {backlog:>7}  {:>9.1}",
         percentile(&latencies, 0.5).as_secs_f64() * 1000.0,
         percentile(&latencies, 0.99).as_secs_f64() * 1000.0,
+        size as f64 / 1e6,
     );
 }
 
