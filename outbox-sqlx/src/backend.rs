@@ -529,10 +529,32 @@ pub struct PurgeStep {
     pub next: Option<PurgedUpTo>,
 }
 
+/// How long until a time `micros` microseconds away is due, rounded up to the millisecond (a
+/// relay then wakes at most a millisecond late, never early); zero for a time passed.
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+pub(crate) fn due_in_micros(micros: i128) -> Duration {
+    let micros = u64::try_from(micros).unwrap_or(if micros > 0 { u64::MAX } else { 0 });
+    Duration::from_millis(micros.div_ceil(1000))
+}
+
 /// How old a claim must be before the events waiting behind it are set aside (out of the claim
 /// scan, until it ends or lets go of their aggregate): a claim is normally recorded within
 /// milliseconds, and setting its aggregates' later events aside would cost two writes each for
 /// nothing. One that lasts is a slow batch or a dead relay.
 pub(crate) fn hold_after(lease: Duration) -> Duration {
     (lease / 4).min(Duration::from_secs(1))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_due_time_is_counted_in_milliseconds_rounded_up_never_negative() {
+        assert_eq!(due_in_micros(0), Duration::ZERO);
+        assert_eq!(due_in_micros(1), Duration::from_millis(1));
+        assert_eq!(due_in_micros(40_000), Duration::from_millis(40));
+        assert_eq!(due_in_micros(40_001), Duration::from_millis(41));
+        assert_eq!(due_in_micros(-4_000), Duration::ZERO);
+    }
 }

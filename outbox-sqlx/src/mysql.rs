@@ -50,7 +50,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    hold_after, row_count, sealed, sql, subscribers_query,
+    due_in_micros, hold_after, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -917,10 +917,11 @@ LIMIT ?"#
                     .fetch_one(&mut *tx)
                     .await?;
             tx.commit().await?;
-            let next_due = retry.into_iter().chain(parked).min().map(|at| {
-                let micros = u64::try_from((at - now).whole_microseconds()).unwrap_or(0);
-                Duration::from_millis(micros.div_ceil(1000))
-            });
+            let next_due = retry
+                .into_iter()
+                .chain(parked)
+                .min()
+                .map(|at| due_in_micros((at - now).whole_microseconds()));
             return Ok(Batch::empty()
                 .with_more(more)
                 .with_registry(Some(registry))

@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    hold_after, row_count, sealed, sql, subscribers_query,
+    due_in_micros, hold_after, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -164,12 +164,6 @@ fn from_micros(micros: i64) -> OffsetDateTime {
 
 fn now() -> i64 {
     micros(OffsetDateTime::now_utc())
-}
-
-/// The time from `now` to `at` (microseconds since the epoch), rounded up to the millisecond.
-fn micros_until(now: i64, at: i64) -> Duration {
-    let micros = u64::try_from(at.saturating_sub(now)).unwrap_or(0);
-    Duration::from_millis(micros.div_ceil(1000))
 }
 
 fn after(delay: Duration) -> i64 {
@@ -731,7 +725,9 @@ LIMIT $4"#
             return Ok(Batch::empty()
                 .with_more(!marks.is_empty())
                 .with_registry(Some(registry))
-                .with_next_due(next_due.map(|at| micros_until(now, at))));
+                .with_next_due(
+                    next_due.map(|at| due_in_micros(i128::from(at) - i128::from(now))),
+                ));
         }
         let token: i64 = sqlx::query_scalar(queries.new_claim.clone())
             .bind(until)
@@ -1396,15 +1392,6 @@ mod tests {
 
     use super::*;
     use crate::Outbox;
-
-    #[test]
-    fn a_due_time_is_counted_in_milliseconds_rounded_up_never_negative() {
-        assert_eq!(micros_until(1_000, 1_000), Duration::ZERO);
-        assert_eq!(micros_until(1_000, 1_001), Duration::from_millis(1));
-        assert_eq!(micros_until(1_000, 41_000), Duration::from_millis(40));
-        assert_eq!(micros_until(1_000, 41_001), Duration::from_millis(41));
-        assert_eq!(micros_until(5_000, 1_000), Duration::ZERO);
-    }
 
     /// The steps of SQLite's plan for `statement` that read a table or an index whole, but for
     /// the partial indexes of unpublished events (`pending_idx` is read in order up to the

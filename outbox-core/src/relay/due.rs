@@ -39,11 +39,8 @@ impl DueTimes {
     /// Notes when each retry and parked event of `outcomes`, just recorded, is due (counted
     /// from after the record, so never before the store's own time).
     pub(super) fn note(&mut self, outcomes: &Outcomes) {
-        let now = Instant::now();
         for due_in in due_in(outcomes) {
-            if let Some(at) = now.checked_add(due_in) {
-                self.insert(at);
-            }
+            self.note_in(due_in);
         }
     }
 
