@@ -93,9 +93,10 @@ pub struct Batch {
     /// without a registry.
     pub registry: Option<String>,
     /// How long after the claim the earliest retry or parked event that was not due yet
-    /// becomes due, if the store knows (`None`: nothing waits for a time, or the store does
-    /// not say). A relay that found no work wakes then, whoever recorded that retry (another
-    /// relay, or this one before it restarted), not only at its poll interval.
+    /// becomes due, or the earliest live claim expires (its work is free then, if its relay
+    /// died), if the store knows (`None`: nothing waits for a time, or the store does not
+    /// say). A relay that found no work wakes then, whoever recorded that retry or made that
+    /// claim (another relay, or this one before it restarted), not only at its poll interval.
     pub next_due: Option<Duration>,
 }
 
@@ -123,7 +124,8 @@ impl Batch {
         self
     }
 
-    /// Says how long after the claim the earliest retry or parked event not due yet is due.
+    /// Says how long after the claim the earliest retry or parked event not due yet is due, or
+    /// the earliest live claim expires.
     #[must_use]
     pub fn with_next_due(mut self, next_due: Option<Duration>) -> Self {
         self.next_due = next_due;

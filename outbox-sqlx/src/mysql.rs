@@ -285,10 +285,12 @@ impl Backend for MySql {
                 "SELECT UTC_TIMESTAMP(6) FROM {claim_lock} WHERE id = 1 FOR UPDATE"
             )),
             now: sql("SELECT UTC_TIMESTAMP(6)".to_owned()),
-            // (`deliveries_due_idx`, `parked_idx`: a probe each.)
+            // (`deliveries_due_idx`, `parked_idx`, `claims_until_idx`: a probe each. A live
+            // claim expires, its relay dead and its work free, the first moment after `until`.)
             next_due: sql(format!(
                 "SELECT (SELECT min(due_at) FROM {deliveries} WHERE due_at > ? AND claim_id IS NULL),
-                        (SELECT min(parked_until) FROM {outbox} WHERE parked_until > ?)"
+                        (SELECT min(parked_until) FROM {outbox} WHERE parked_until > ?),
+                        (SELECT min(until) + INTERVAL 1 MICROSECOND FROM {claims} WHERE until >= ?)"
             )),
             lock_aggregate: sql(format!(
                 "UPDATE {aggregate_locks} SET slot = slot WHERE slot = ?"
@@ -910,16 +912,20 @@ LIMIT ?"#
         };
         if claimable.is_empty() && due.is_empty() {
             // (For the relay to wake when the next retry is due, whoever recorded it.)
-            let (retry, parked): (Option<PrimitiveDateTime>, Option<PrimitiveDateTime>) =
-                sqlx::query_as(queries.next_due.clone())
-                    .bind(now)
-                    .bind(now)
-                    .fetch_one(&mut *tx)
-                    .await?;
+            let (retry, parked, expiry): (
+                Option<PrimitiveDateTime>,
+                Option<PrimitiveDateTime>,
+                Option<PrimitiveDateTime>,
+            ) = sqlx::query_as(queries.next_due.clone())
+                .bind(now)
+                .bind(now)
+                .bind(now)
+                .fetch_one(&mut *tx)
+                .await?;
             tx.commit().await?;
-            let next_due = retry
+            let next_due = [retry, parked, expiry]
                 .into_iter()
-                .chain(parked)
+                .flatten()
                 .min()
                 .map(|at| due_in_micros((at - now).whole_microseconds()));
             return Ok(Batch::empty()

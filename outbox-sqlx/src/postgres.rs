@@ -913,8 +913,10 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
            pg_snapshot_xmin(pg_current_snapshot())::text,
            pg_snapshot_xmax(pg_current_snapshot())::text,
            -- When no claim was made, milliseconds until the earliest retry or parked event
-           -- not due yet (`due_idx`, `parked_idx`: a probe each), so that an idle relay wakes
-           -- for it. (A claim that took work skips them: its relay looks again at once.)
+           -- not due yet (`due_idx`, `parked_idx`: a probe each), or live claim's expiry (a
+           -- dead relay's work is free then; the first moment after its `until`), so that an
+           -- idle relay wakes for it. (A claim that took work skips them: its relay looks again
+           -- at once.)
            CASE WHEN (SELECT id FROM claim) IS NULL THEN
            (SELECT ceil(extract(epoch FROM min(n.at) - now()) * 1000)::int8
             FROM ((SELECT d.next_retry_at AS at FROM {deliveries} AS d
@@ -924,7 +926,10 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
                   (SELECT o.next_retry_at FROM {outbox} AS o
                    WHERE o.published_at IS NULL AND o.dead_at IS NULL
                      AND o.next_retry_at > now()
-                   ORDER BY o.next_retry_at LIMIT 1)) AS n) END::text]"#
+                   ORDER BY o.next_retry_at LIMIT 1)
+                  UNION ALL
+                  (SELECT min(c.until) + interval '1 microsecond' FROM {claims} AS c
+                   WHERE c.id >= $6 AND c.until > now())) AS n) END::text]"#
             )),
             renew: sql(format!(
                 "UPDATE {claims} SET until = clock_timestamp() + $2 * interval '1 second'

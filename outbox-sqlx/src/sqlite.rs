@@ -305,6 +305,9 @@ SELECT min(at) FROM (
     UNION ALL
     SELECT min(next_retry_at) FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at > $1
+    UNION ALL
+    -- A live claim expires (its relay died: its work is free) the first moment after `until`.
+    SELECT min(until) + 1 FROM {claims} WHERE until >= $1
 )"#
             )),
             due_deliveries: sql(format!(

@@ -48,6 +48,7 @@ on_every_backend!(
     each_retry_a_relay_recorded_is_made_when_due_not_at_its_next_poll,
     a_retry_another_relay_recorded_is_made_when_due_not_at_the_next_poll,
     an_event_another_relay_parked_is_looked_at_again_when_due_not_at_the_next_poll,
+    a_claim_a_dead_relay_left_is_taken_when_it_expires_not_at_the_next_poll,
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
@@ -1803,6 +1804,45 @@ async fn an_event_another_relay_parked_is_looked_at_again_when_due_not_at_the_ne
         tokio::time::sleep(ms(20)).await;
     }
     assert!(started.elapsed() >= park, "looked at before its park ended");
+    worker.abort();
+}
+
+/// The same for the claim of a relay that died: a relay that polls once an hour takes the
+/// claim's work when its lease ends, with the events of its aggregate that came after and were
+/// left behind it.
+async fn a_claim_a_dead_relay_left_is_taken_when_it_expires_not_at_the_next_poll<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let entered = Arc::new(Notify::new());
+    probe.fail(
+        "x",
+        a,
+        1,
+        [Fail::Block {
+            entered: entered.clone(),
+            release: Arc::new(Notify::new()),
+        }],
+    );
+    let lease = Duration::from_secs(2);
+    let short = config().with_lease(lease).with_handler_timeout(ms(800));
+    let first = relay(&outbox, OnlyX::new(&probe), short);
+    publish_one(&outbox, a, 1).await;
+    let task = tokio::spawn(async move { first.run_once().await });
+    entered.notified().await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    let claimed_at = std::time::Instant::now();
+    publish_one(&outbox, a, 2).await;
+    let sleepy = config().with_poll_interval(Duration::from_secs(3600));
+    let second = relay(&outbox, OnlyX::new(&probe), sleepy);
+    let worker = tokio::spawn(async move { second.run(std::future::pending()).await });
+    wait_for(|| probe.delivered_to("x") == [(a, 1), (a, 2)]).await;
+    assert!(
+        claimed_at.elapsed() >= lease - ms(200),
+        "taken {:?} after the claim, before its lease ended",
+        claimed_at.elapsed()
+    );
     worker.abort();
 }
 

@@ -1,6 +1,7 @@
 //! When an idle relay looks again: the due times of the retries and parked events it recorded,
 //! and the next one its store reported (`Batch::next_due`: recorded by another relay, or by
-//! this one before it restarted).
+//! this one before it restarted, or the end of a live claim's lease, after which a dead
+//! relay's work is free).
 //!
 //! Every due time is kept until it passes, not only the earliest: a relay that woke for the
 //! earliest retry and claimed it alone (the next was not due yet) must still wake for the next,
