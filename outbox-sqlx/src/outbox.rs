@@ -70,6 +70,15 @@ struct Inner<DB: Backend> {
     purged_up_to: Mutex<Option<PurgedUpTo>>,
 }
 
+impl<DB: Backend> Inner<DB> {
+    /// Wakes the relays waiting for work if an operator `changed` anything (a requeue, a skip).
+    async fn handed_back(&self, changed: bool) {
+        if changed {
+            self.wakeups.handed_back(&self.pool).await;
+        }
+    }
+}
+
 impl<DB: Backend, R> Clone for Outbox<DB, R> {
     fn clone(&self) -> Self {
         Self {
@@ -263,7 +272,10 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// was named, how many rows went back, why) in the same transaction, when anything went
     /// back: what operators use (`outbox requeue --reason`, the console).
     pub async fn requeue_because(&self, which: &Requeue, reason: &str) -> Result<u64, Error> {
-        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, Some(reason)).await?)
+        let requeued =
+            crate::backend::requeue::<DB>(self.pool(), self.queries(), which, Some(reason)).await?;
+        self.inner.handed_back(requeued > 0).await;
+        Ok(requeued)
     }
 
     /// The requeues made with a reason, newest first: at most `limit`, and with `before`
@@ -283,8 +295,14 @@ impl<DB: Backend, R> Outbox<DB, R> {
     }
 
     /// Hands dead letters (and parked events) back to the relay; returns how many rows changed.
+    /// Relays waiting for work take them at once: those of this process, and on PostgreSQL
+    /// those of other processes (unless [cross-process wake-ups](Self::set_cross_process_wakeups)
+    /// are off); elsewhere at their next poll.
     pub async fn requeue(&self, which: &Requeue) -> Result<u64, Error> {
-        Ok(crate::backend::requeue::<DB>(self.pool(), self.queries(), which, None).await?)
+        let requeued =
+            crate::backend::requeue::<DB>(self.pool(), self.queries(), which, None).await?;
+        self.inner.handed_back(requeued > 0).await;
+        Ok(requeued)
     }
 
     /// Fences a handler's writes: locks the claim `token` (the one a delivery runs under,
@@ -462,7 +480,10 @@ impl<DB: Backend, R> Outbox<DB, R> {
         subscriber: Option<&str>,
         reason: &str,
     ) -> Result<bool, Error> {
-        Ok(DB::skip(self.pool(), self.queries(), event_id, subscriber, reason).await?)
+        let skipped = DB::skip(self.pool(), self.queries(), event_id, subscriber, reason).await?;
+        // (What waited behind it is due now: relays take it as after a requeue.)
+        self.inner.handed_back(skipped).await;
+        Ok(skipped)
     }
 
     /// The pool.
@@ -644,9 +665,12 @@ impl<DB: Backend> Store for SqlStore<DB> {
     }
 
     async fn requeue(&self, which: &Requeue) -> Result<u64, StoreError> {
-        crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which, None)
-            .await
-            .map_err(store_error)
+        let requeued =
+            crate::backend::requeue::<DB>(&self.inner.pool, &self.inner.queries, which, None)
+                .await
+                .map_err(store_error)?;
+        self.inner.handed_back(requeued > 0).await;
+        Ok(requeued)
     }
 
     async fn status(&self) -> Result<Status, StoreError> {

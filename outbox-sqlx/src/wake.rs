@@ -1,5 +1,6 @@
 //! Waking relays when events commit: at once in this process, and in other processes through a
-//! coalesced `NOTIFY` sent outside the publishing transaction.
+//! coalesced `NOTIFY` sent outside the publishing transaction. Work an operator hands back (a
+//! requeue, a skip) wakes them the same way, its `NOTIFY` sent at once.
 //!
 //! A `NOTIFY` inside every publishing transaction would serialise commits (PostgreSQL takes a
 //! global lock to commit a transaction that notifies), so the publishing side only pokes a
@@ -93,6 +94,19 @@ impl Wakeups {
         });
         // Full: a NOTIFY is already due, which covers this commit too.
         let _ = notifier.try_send(());
+    }
+
+    /// After an operator handed work back (a requeue, a skip that frees the events behind a
+    /// delivery): wake this process's relays, and those of other processes by a `NOTIFY` sent
+    /// now and awaited, not coalesced (the tool that handed the work back may exit at once).
+    pub(crate) async fn handed_back<DB: Backend>(&self, pool: &Pool<DB>) {
+        self.local.notify_one();
+        if !self.cross_process.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Err(error) = DB::notify(pool, &self.channel, &self.sender).await {
+            tracing::debug!(%error, "outbox could not notify relays in other processes");
+        }
     }
 
     /// Resolves when a relay should look for work: a commit in this process, or a notification

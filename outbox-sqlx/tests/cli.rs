@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
-use outbox_tests::kit::{Fail, Ping, PingPong, Probe, XAndY, run_until};
+use outbox_tests::kit::{
+    Fail, OnlyX, Ping, PingPong, Probe, WatchedStore, XAndY, run_until, wait_for,
+};
 use outbox_tests::my::TestMyDb;
 use outbox_tests::pg::{TestDb, publish_for_operators};
 use serde_json::{Value, json};
@@ -513,6 +515,64 @@ async fn requeue_skip_and_purge_change_the_outbox_and_say_so() {
         .await
         .unwrap();
     assert_eq!(left, 1);
+}
+
+/// The tool runs in a process of its own and exits when done: what it hands back (a requeue, a
+/// skip that frees the events behind a dead delivery) wakes a relay of another process that
+/// waits for work, at once, not at its next poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requeue_or_a_skip_by_the_tool_wakes_a_waiting_relay_at_once() {
+    let db = TestDb::new().await;
+    assert!(ok(&db, &["migrate"]).contains("up to date"));
+    let outbox: Outbox<Postgres, PingPong> = Outbox::new(db.pool_named("relay_process", 4).await);
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    probe.fail("x", b, 1, [Fail::Permanent]);
+    for (aggregate, seq) in [(a, 1), (b, 1), (b, 2)] {
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq }).await.unwrap();
+        tx.commit().await.unwrap();
+    }
+    let ids: Vec<i64> = sqlx::query_scalar("SELECT id FROM events.outbox ORDER BY id")
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    let quick = Relay::new(outbox.store(), OnlyX::new(&probe), RelayConfig::default()).unwrap();
+    run_until(&quick, WAIT, || probe.calls_of("x").len() == 2).await;
+    // A relay that polls once an hour, waiting for work: its claim found nothing, and it
+    // listens for the database's notifications.
+    let waiting_relay = async || {
+        let store = WatchedStore::new(outbox.store());
+        let idle = store.idle.clone();
+        let sleepy = RelayConfig::default().with_poll_interval(Duration::from_secs(3600));
+        let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let worker = tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        idle.notified().await;
+        db.wait_until_listening("relay_process").await;
+        (stop, worker)
+    };
+    let (stop, worker) = waiting_relay().await;
+    ok(&db, &["requeue", &ids[0].to_string()]);
+    wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    stop.send(()).unwrap();
+    worker.await.unwrap();
+    let (stop, worker) = waiting_relay().await;
+    let b1 = ids[1].to_string();
+    ok(
+        &db,
+        &["skip", &b1, "--subscriber", "x", "--reason", "by hand"],
+    );
+    wait_for(|| probe.delivered_to("x") == [(a, 1), (b, 2)]).await;
+    stop.send(()).unwrap();
+    worker.await.unwrap();
 }
 
 #[test]

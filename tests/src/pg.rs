@@ -105,6 +105,31 @@ impl TestDb {
         .await
         .expect("terminate sessions")
     }
+
+    /// Waits until a session of the test database named `application_name` runs `LISTEN` (a
+    /// relay waiting for work on a pool so named); panics after 20 seconds.
+    pub async fn wait_until_listening(&self, application_name: &str) {
+        let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(20);
+        loop {
+            let listening: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity
+                 WHERE datname = $1 AND application_name = $2 AND query LIKE 'LISTEN%'",
+            )
+            .bind(&self.name)
+            .bind(application_name)
+            .fetch_one(&self.pool)
+            .await
+            .expect("read the sessions");
+            if listening > 0 {
+                return;
+            }
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "no session named {application_name} listened"
+            );
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
 }
 
 impl Drop for TestDb {

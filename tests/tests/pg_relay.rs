@@ -109,33 +109,11 @@ async fn a_commit_in_another_process_wakes_an_idle_relay() {
     idle.notified().await;
     // The relay now waits: for its poll interval (an hour), or for a notification. Wait until its
     // LISTEN is in place, then publish from the other side.
-    wait_until_listening(&db).await;
+    db.wait_until_listening("other_process").await;
     let a = Uuid::new_v4();
     publish_one(&producer, a, 1).await;
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
     worker.abort();
-}
-
-async fn wait_until_listening(db: &TestDb) {
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-    loop {
-        let listening: i64 = sqlx::query_scalar(
-            "SELECT count(*) FROM pg_stat_activity
-             WHERE datname = $1 AND application_name = 'other_process' AND query LIKE 'LISTEN%'",
-        )
-        .bind(db.name())
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if listening > 0 {
-            return;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the relay never listened"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
 }
 
 /// An insert draws its event's id before it writes the event: for a moment the transaction

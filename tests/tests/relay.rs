@@ -49,6 +49,7 @@ on_every_backend!(
     a_retry_another_relay_recorded_is_made_when_due_not_at_the_next_poll,
     an_event_another_relay_parked_is_looked_at_again_when_due_not_at_the_next_poll,
     a_claim_a_dead_relay_left_is_taken_when_it_expires_not_at_the_next_poll,
+    a_requeue_or_a_skip_wakes_an_idle_relay_at_once,
     slow_handlers_have_the_next_batch_claimed_before_their_last_calls_end,
     a_relay_stopping_gives_back_the_batch_it_claimed_ahead,
     a_relay_waiting_on_its_handlers_claims_a_quarter_of_its_batch,
@@ -1844,6 +1845,53 @@ async fn a_claim_a_dead_relay_left_is_taken_when_it_expires_not_at_the_next_poll
         claimed_at.elapsed()
     );
     worker.abort();
+}
+
+/// Work an operator hands back (a requeue, a skip that frees the events behind a dead
+/// delivery) is taken at once by an idle relay of the process, not at its next poll.
+async fn a_requeue_or_a_skip_wakes_an_idle_relay_at_once<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Permanent]);
+    probe.fail("x", b, 1, [Fail::Permanent]);
+    let a_id = publish_one(&outbox, a, 1).await;
+    let b_id = publish_one(&outbox, b, 1).await;
+    publish_one(&outbox, b, 2).await;
+    run_until(&relay(&outbox, OnlyX::new(&probe), config()), WAIT, || {
+        probe.calls_of("x").len() == 2
+    })
+    .await;
+    // A relay that polls once an hour, idle: it found nothing to claim.
+    let idle_relay = async || {
+        let store = WatchedStore::new(outbox.store());
+        let idle = store.idle.clone();
+        let sleepy = config().with_poll_interval(Duration::from_secs(3600));
+        let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let worker = tokio::spawn(async move {
+            relay
+                .run(async {
+                    let _ = stopped.await;
+                })
+                .await;
+        });
+        idle.notified().await;
+        (stop, worker)
+    };
+    let (stop, worker) = idle_relay().await;
+    assert_eq!(
+        outbox.requeue(&Requeue::Events(vec![a_id])).await.unwrap(),
+        1
+    );
+    wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
+    stop.send(()).unwrap();
+    worker.await.unwrap();
+    let (stop, worker) = idle_relay().await;
+    assert!(outbox.skip(b_id, Some("x"), "by hand").await.unwrap());
+    wait_for(|| probe.delivered_to("x") == [(a, 1), (b, 2)]).await;
+    stop.send(()).unwrap();
+    worker.await.unwrap();
 }
 
 /// Publishes `seqs` events of each of `aggregates` new aggregates, one round of all aggregates
