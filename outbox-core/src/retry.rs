@@ -4,6 +4,29 @@ use std::time::Duration;
 
 use crate::error::ConfigError;
 
+/// The longest delay a setting that becomes a time in the store may have (a retry delay, the
+/// park delay, the lease, the retention window): every backend stores a time that far from now
+/// (MySQL's `DATETIME` ends in the year 9999), also twice it, with the most jitter.
+pub(crate) const LONGEST: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
+/// Refuses a `value` of `setting` beyond [`LONGEST`], saying what to do instead (`instead`).
+pub(crate) fn within_longest(
+    setting: &'static str,
+    value: Duration,
+    instead: &str,
+) -> Result<(), ConfigError> {
+    if value <= LONGEST {
+        return Ok(());
+    }
+    Err(ConfigError::InvalidSetting {
+        setting,
+        reason: format!(
+            "{value:?} is more than 1000 years, further than a database can store a time; \
+             {instead}"
+        ),
+    })
+}
+
 /// The delays between attempts of a delivery that failed with a transient error.
 ///
 /// After the first failure the delivery waits `delays[0]`, after the second `delays[1]`, and so on;
@@ -41,7 +64,7 @@ impl Default for RetryPolicy {
 
 impl RetryPolicy {
     /// A policy with these delays and no jitter. An empty list means no retries: the first
-    /// transient failure is a dead letter.
+    /// transient failure is a dead letter. At most 100 delays, each at most 1000 years.
     pub fn new(delays: impl IntoIterator<Item = Duration>) -> Result<Self, ConfigError> {
         let delays: Vec<Duration> = delays.into_iter().collect();
         if delays.len() > 100 {
@@ -49,6 +72,14 @@ impl RetryPolicy {
                 setting: "retry delays",
                 reason: format!("{} delays given, at most 100 are allowed", delays.len()),
             });
+        }
+        for delay in &delays {
+            within_longest(
+                "retry delays",
+                *delay,
+                "to stop retrying, end the list there: the delivery is then a dead letter, \
+                 which an operator requeues",
+            )?;
         }
         Ok(Self {
             delays,
@@ -90,6 +121,21 @@ impl RetryPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_delay_no_database_can_store_is_refused_with_what_to_do_instead() {
+        let never = RetryPolicy::new([Duration::from_secs(60), Duration::MAX]).unwrap_err();
+        assert_eq!(
+            never.to_string(),
+            format!(
+                "invalid retry delays: {:?} is more than 1000 years, further than a database can \
+                 store a time; to stop retrying, end the list there: the delivery is then a dead \
+                 letter, which an operator requeues",
+                Duration::MAX
+            )
+        );
+        assert!(RetryPolicy::new([LONGEST]).is_ok());
+    }
 
     #[test]
     fn default_schedule_is_the_seeds() {

@@ -169,10 +169,11 @@ pub struct MySqlQueries {
     record_skip: SqlStr,
 }
 
-/// `at + delay`, saturating.
+/// `at + delay`, saturating at the latest time a `DATETIME` holds.
 fn plus(at: PrimitiveDateTime, delay: Duration) -> PrimitiveDateTime {
     at.checked_add(time::Duration::try_from(delay).unwrap_or(time::Duration::MAX))
-        .unwrap_or(at)
+        .filter(|t| *t <= LATEST)
+        .unwrap_or(LATEST)
 }
 
 /// `at - delay`, saturating at the earliest time a `DATETIME` holds.
@@ -184,6 +185,9 @@ fn minus(at: PrimitiveDateTime, delay: Duration) -> PrimitiveDateTime {
 
 /// The earliest time a `DATETIME` holds.
 const EARLIEST: PrimitiveDateTime = time::macros::datetime!(1000-01-01 0:00);
+
+/// The latest time a `DATETIME` holds.
+const LATEST: PrimitiveDateTime = time::macros::datetime!(9999-12-31 23:59:59.999_999);
 
 fn micros(time: PrimitiveDateTime) -> i64 {
     i64::try_from(time.assume_utc().unix_timestamp_nanos() / 1000).unwrap_or(i64::MAX)
@@ -1910,5 +1914,22 @@ mod tests {
         assert!(slots.iter().all(|s| (0..4096).contains(s)));
         // Pinned: processes of different builds must lock the same row for an aggregate.
         assert_eq!(aggregate_slot(Uuid::nil()), 2_309);
+    }
+
+    /// A time beyond what a `DATETIME` holds is its last moment, never an earlier one (a retry
+    /// "now" instead of never, as it once was).
+    #[test]
+    fn times_saturate_at_the_ends_of_what_a_datetime_holds() {
+        let now = time::macros::datetime!(2026-12-06 12:00);
+        assert_eq!(plus(now, Duration::MAX), LATEST);
+        assert_eq!(
+            plus(now, Duration::from_secs(9000 * 366 * 24 * 3600)),
+            LATEST
+        );
+        assert_eq!(
+            plus(now, Duration::from_secs(60)),
+            time::macros::datetime!(2026-12-06 12:01)
+        );
+        assert_eq!(minus(now, Duration::MAX), EARLIEST);
     }
 }

@@ -117,7 +117,7 @@ impl RelayConfig {
     ///
     /// A longer lease costs nothing while relays are healthy and delays recovery from a dead
     /// relay by as much; a lease too short for the database's round trips under load makes
-    /// renewals fail and batches stop early.
+    /// renewals fail and batches stop early. At most 1000 years (a time the store keeps).
     #[must_use]
     pub fn with_lease(mut self, lease: Duration) -> Self {
         self.lease = lease;
@@ -134,7 +134,7 @@ impl RelayConfig {
     }
 
     /// How long a parked event (newer version, unknown event type) waits before it is looked at
-    /// again (default 5 minutes).
+    /// again (default 5 minutes; at most 1000 years, a time the store keeps).
     #[must_use]
     pub fn with_park_delay(mut self, delay: Duration) -> Self {
         self.park_delay = delay;
@@ -306,6 +306,25 @@ impl RelayConfig {
                 return invalid(setting, "must be greater than zero".to_owned());
             }
         }
+        // (Settings that become times in the store. The handler timeout and retries in place
+        // are bounded by the lease, below and above.)
+        crate::retry::within_longest(
+            "park delay",
+            self.park_delay,
+            "an event parked that long would never be looked at again",
+        )?;
+        crate::retry::within_longest(
+            "lease",
+            self.lease,
+            "a dead relay's work would never be free again",
+        )?;
+        if let Some(retention) = &self.retention {
+            crate::retry::within_longest(
+                "retention",
+                retention.keep,
+                "to keep published events for ever, turn retention off (`without_retention`)",
+            )?;
+        }
         if let Some(retention) = &self.retention
             && !(1..=10_000).contains(&retention.batch_size)
         {
@@ -366,7 +385,8 @@ impl Default for Retention {
 }
 
 impl Retention {
-    /// Keeps published events for `window` (the default is 30 days).
+    /// Keeps published events for `window` (the default is 30 days; at most 1000 years: to
+    /// keep them for ever, turn retention off, [`RelayConfig::without_retention`]).
     pub fn keep(window: Duration) -> Self {
         Self {
             keep: window,

@@ -1224,5 +1224,47 @@ mod tests {
         for (config, message) in cases {
             assert_eq!(config.validate().unwrap_err().to_string(), message);
         }
+        // Settings that become times in the store: at most 1000 years, as every backend stores.
+        let years = |n: u64| Duration::from_secs(n * 365 * 24 * 3600);
+        let beyond = |setting: &str, value: Duration, instead: &str| {
+            format!(
+                "invalid {setting}: {value:?} is more than 1000 years, further than a database \
+                 can store a time; {instead}"
+            )
+        };
+        let cases = [
+            (
+                RelayConfig::default().with_park_delay(Duration::MAX),
+                beyond(
+                    "park delay",
+                    Duration::MAX,
+                    "an event parked that long would never be looked at again",
+                ),
+            ),
+            (
+                RelayConfig::default().with_lease(years(1001)),
+                beyond(
+                    "lease",
+                    years(1001),
+                    "a dead relay's work would never be free again",
+                ),
+            ),
+            (
+                RelayConfig::default().with_retention(Retention::keep(Duration::MAX)),
+                beyond(
+                    "retention",
+                    Duration::MAX,
+                    "to keep published events for ever, turn retention off (`without_retention`)",
+                ),
+            ),
+        ];
+        for (config, message) in cases {
+            assert_eq!(config.validate().unwrap_err().to_string(), message);
+        }
+        let longest = RelayConfig::default()
+            .with_park_delay(years(1000))
+            .with_lease(years(1000))
+            .with_retention(Retention::keep(years(1000)));
+        assert!(longest.validate().is_ok());
     }
 }
