@@ -6,9 +6,7 @@ use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
-use outbox_tests::kit::{
-    Fail, OnlyX, Ping, PingPong, Probe, WatchedStore, XAndY, run_until, wait_for,
-};
+use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Probe, XAndY, run_idle, run_until, wait_for};
 use outbox_tests::my::TestMyDb;
 use outbox_tests::pg::{TestDb, publish_for_operators};
 use serde_json::{Value, json};
@@ -542,37 +540,24 @@ async fn a_requeue_or_a_skip_by_the_tool_wakes_a_waiting_relay_at_once() {
     run_until(&quick, WAIT, || probe.calls_of("x").len() == 2).await;
     // A relay that polls once an hour, waiting for work: its claim found nothing, and it
     // listens for the database's notifications.
+    let sleepy = RelayConfig::default().with_poll_interval(Duration::from_secs(3600));
     let waiting_relay = async || {
-        let store = WatchedStore::new(outbox.store());
-        let idle = store.idle.clone();
-        let sleepy = RelayConfig::default().with_poll_interval(Duration::from_secs(3600));
-        let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let worker = tokio::spawn(async move {
-            relay
-                .run(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        idle.notified().await;
+        let running = run_idle(outbox.store(), OnlyX::new(&probe), sleepy.clone()).await;
         db.wait_until_listening("relay_process").await;
-        (stop, worker)
+        running
     };
-    let (stop, worker) = waiting_relay().await;
+    let running = waiting_relay().await;
     ok(&db, &["requeue", &ids[0].to_string()]);
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
-    stop.send(()).unwrap();
-    worker.await.unwrap();
-    let (stop, worker) = waiting_relay().await;
+    running.stop().await;
+    let running = waiting_relay().await;
     let b1 = ids[1].to_string();
     ok(
         &db,
         &["skip", &b1, "--subscriber", "x", "--reason", "by hand"],
     );
     wait_for(|| probe.delivered_to("x") == [(a, 1), (b, 2)]).await;
-    stop.send(()).unwrap();
-    worker.await.unwrap();
+    running.stop().await;
 }
 
 #[test]

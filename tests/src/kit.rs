@@ -458,6 +458,42 @@ pub async fn run_until<S: Store, R: Router>(
     reports
 }
 
+/// A relay running in the background (see [`run_idle`]).
+pub struct Running {
+    stop: tokio::sync::oneshot::Sender<()>,
+    worker: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    /// Stops the relay as a shutdown does (its batch in progress recorded) and waits for it.
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        self.worker.await.expect("the relay stops");
+    }
+}
+
+/// Runs a relay on `store` in the background, and returns once its first claim found nothing:
+/// from then on it claims only when woken or when `config`'s poll interval passes.
+pub async fn run_idle<S, R>(store: S, router: R, config: outbox_core::RelayConfig) -> Running
+where
+    S: Store + 'static,
+    R: Router + Send + Sync + 'static,
+{
+    let store = WatchedStore::new(store);
+    let idle = store.idle.clone();
+    let relay = Relay::new(store, router, config).expect("valid config");
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let worker = tokio::spawn(async move {
+        relay
+            .run(async {
+                let _ = stopped.await;
+            })
+            .await;
+    });
+    idle.notified().await;
+    Running { stop, worker }
+}
+
 /// A store that forwards to another and tells when a claim found nothing: after that, a relay
 /// only claims again when woken or when its poll interval passes.
 pub struct WatchedStore<S> {

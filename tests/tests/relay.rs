@@ -10,7 +10,7 @@ use outbox_core::{Relay, RelayConfig, RetryPolicy, Router, Store};
 use outbox_sqlx::{ListQuery, ListState, Outbox, SqlStore};
 use outbox_tests::backend::{TestBackend, outbox};
 use outbox_tests::kit::{
-    Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_until, wait_for,
+    Fail, OnlyX, Ping, PingPong, Pong, Probe, WatchedStore, XAndY, run_idle, run_until, wait_for,
 };
 use outbox_tests::on_every_backend;
 use sqlx::Pool;
@@ -1863,35 +1863,19 @@ async fn a_requeue_or_a_skip_wakes_an_idle_relay_at_once<B: TestBackend>() {
     })
     .await;
     // A relay that polls once an hour, idle: it found nothing to claim.
-    let idle_relay = async || {
-        let store = WatchedStore::new(outbox.store());
-        let idle = store.idle.clone();
-        let sleepy = config().with_poll_interval(Duration::from_secs(3600));
-        let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let worker = tokio::spawn(async move {
-            relay
-                .run(async {
-                    let _ = stopped.await;
-                })
-                .await;
-        });
-        idle.notified().await;
-        (stop, worker)
-    };
-    let (stop, worker) = idle_relay().await;
+    let sleepy = config().with_poll_interval(Duration::from_secs(3600));
+    let idle_relay = || run_idle(outbox.store(), OnlyX::new(&probe), sleepy.clone());
+    let running = idle_relay().await;
     assert_eq!(
         outbox.requeue(&Requeue::Events(vec![a_id])).await.unwrap(),
         1
     );
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
-    stop.send(()).unwrap();
-    worker.await.unwrap();
-    let (stop, worker) = idle_relay().await;
+    running.stop().await;
+    let running = idle_relay().await;
     assert!(outbox.skip(b_id, Some("x"), "by hand").await.unwrap());
     wait_for(|| probe.delivered_to("x") == [(a, 1), (b, 2)]).await;
-    stop.send(()).unwrap();
-    worker.await.unwrap();
+    running.stop().await;
 }
 
 /// Publishes `seqs` events of each of `aggregates` new aggregates, one round of all aggregates
