@@ -604,6 +604,11 @@ pub trait Store: Send + Sync + 'static {
     /// relay writes it), ends the registrations not renewed within `ttl`, and returns the live
     /// ones. Relays of different builds (a rolling deploy) learn from it what the others route.
     /// A store without a registry returns an empty one: each relay acts as the only build.
+    ///
+    /// A registration that brings a build no live relay runs (the relay's first, with a
+    /// routing no live relay has) makes the parked events due at once: the new build may read
+    /// what was parked for want of it (an event type, a newer payload version), and should not
+    /// wait for the end of each park.
     fn register(
         &self,
         relay: Uuid,

@@ -867,6 +867,19 @@ impl Store for MemoryStore {
         state
             .relays
             .retain(|_, (_, _, seen)| oldest.is_none_or(|oldest| *seen >= oldest));
+        // A build no live relay runs arrives: what was parked for want of it is due now.
+        let arrives = !state.relays.contains_key(&relay)
+            && state.relays.values().all(|(other, _, _)| other != routing);
+        if arrives {
+            for row in state.events.values_mut() {
+                if row.published_at.is_none()
+                    && !row.event.dead
+                    && row.next_retry_at.is_some_and(|at| at > now)
+                {
+                    row.next_retry_at = Some(now);
+                }
+            }
+        }
         let generation = match state.relays.get(&relay) {
             Some((_, generation, _)) => *generation,
             None => {

@@ -103,6 +103,7 @@ pub struct MySqlQueries {
     aggregate_locks: String,
     insert_one: SqlStr,
     expire_relays: SqlStr,
+    look_again_at_parked: SqlStr,
     register: SqlStr,
     unregister: SqlStr,
     live_relays: SqlStr,
@@ -307,6 +308,15 @@ impl Backend for MySql {
             )),
             expire_relays: sql(format!("DELETE FROM {relays} WHERE seen_at < ? AND id <> ?")),
             // A new registration takes the next generation; a renewal keeps its own.
+            // After `expire_relays`: a build that no live relay runs arrives (this relay's
+            // first registration, a routing no live relay has); it may read what was parked
+            // for want of a build, so parked events are due now, not when their park ends.
+            // (`parked_idx`.)
+            look_again_at_parked: sql(format!(
+                "UPDATE {outbox} SET next_retry_at = ?
+                 WHERE parked_until > ?
+                   AND NOT EXISTS (SELECT 1 FROM {relays} WHERE id = ? OR routing = ?)"
+            )),
             register: sql(format!(
                 "INSERT INTO {relays} (id, generation, routing, registered_at, seen_at)
                  SELECT ?, coalesce(max(generation), 0) + 1, ?, ?, ? FROM {relays}
@@ -1019,6 +1029,13 @@ LIMIT ?"#
         sqlx::query(queries.expire_relays.clone())
             .bind(oldest)
             .bind(relay.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(queries.look_again_at_parked.clone())
+            .bind(now)
+            .bind(now)
+            .bind(relay.to_string())
+            .bind(routing)
             .execute(&mut *tx)
             .await?;
         sqlx::query(queries.register.clone())

@@ -496,6 +496,18 @@ SELECT live FROM live"#
 WITH gone AS (
     DELETE FROM {relays} WHERE seen_at < now() - $3 * interval '1 second' AND id <> $1
 ),
+looked_again AS (
+    -- A build that no live relay runs arrives (this relay's first registration, a routing no
+    -- live relay has): it may read what was parked for want of a build, so parked events are
+    -- due now, not when their park ends. (`parked_idx`; a relay that still cannot read one
+    -- parks it again.)
+    UPDATE {outbox} SET next_retry_at = now()
+    WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at > now()
+      AND NOT EXISTS (
+          SELECT 1 FROM {relays} AS r
+          WHERE r.id = $1
+             OR (r.routing = $2 AND r.seen_at >= now() - $3 * interval '1 second'))
+),
 me AS (
     INSERT INTO {relays} (id, routing) VALUES ($1, $2)
     ON CONFLICT (id) DO UPDATE SET routing = excluded.routing, seen_at = now()

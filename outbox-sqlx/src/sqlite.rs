@@ -85,6 +85,7 @@ const MIGRATIONS: &[Migration] = &[
 pub struct SqliteQueries {
     insert: SqlStr,
     expire_relays: SqlStr,
+    look_again_at_parked: SqlStr,
     register: SqlStr,
     unregister: SqlStr,
     live_relays: SqlStr,
@@ -199,6 +200,15 @@ impl Backend for Sqlite {
         let expired_ids = format!("SELECT id FROM {claims} WHERE until < $1");
         SqliteQueries {
             expire_relays: sql(format!("DELETE FROM {relays} WHERE seen_at < $1 AND id <> $2")),
+            // After `expire_relays`: a build that no live relay runs arrives (this relay's
+            // first registration, a routing no live relay has); it may read what was parked
+            // for want of a build, so parked events are due now, not when their park ends.
+            look_again_at_parked: sql(format!(
+                r#"
+UPDATE {outbox} SET next_retry_at = $3
+WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at > $3
+  AND NOT EXISTS (SELECT 1 FROM {relays} WHERE id = $1 OR routing = $2)"#
+            )),
             // A new registration takes the next generation; a renewal keeps its own.
             register: sql(format!(
                 r#"
@@ -814,6 +824,12 @@ LIMIT $4"#
         sqlx::query(queries.expire_relays.clone())
             .bind(oldest)
             .bind(relay.to_string())
+            .execute(&mut *tx)
+            .await?;
+        sqlx::query(queries.look_again_at_parked.clone())
+            .bind(relay.to_string())
+            .bind(routing)
+            .bind(now)
             .execute(&mut *tx)
             .await?;
         sqlx::query(queries.register.clone())

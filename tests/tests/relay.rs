@@ -28,6 +28,7 @@ on_every_backend!(
     a_panicking_handler_is_a_transient_failure_not_a_crash,
     undecodable_payloads_become_dead_letters_and_the_relay_keeps_running,
     an_event_type_this_build_does_not_route_is_parked_until_a_build_that_does_runs,
+    an_event_parked_for_want_of_a_build_is_taken_when_the_build_arrives_not_after_its_park,
     a_payload_of_a_newer_version_is_parked_not_dead,
     a_subscriber_that_fails_is_retried_alone,
     a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
@@ -890,6 +891,33 @@ async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_do
     let new_build = relay(&outbox, PingPong::new(&probe), config());
     run_until(&new_build, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
     assert!(event_state::<B>(outbox.pool(), id).await.0);
+}
+
+/// An event parked because no running build could handle it is looked at again when a build
+/// that was not running registers (a deploy: it may be the build that reads it), not only when
+/// its park ends: with a park of an hour, the new build delivers it at once.
+async fn an_event_parked_for_want_of_a_build_is_taken_when_the_build_arrives_not_after_its_park<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let long_park = config().with_park_delay(Duration::from_secs(3600));
+    let old_build = relay(&outbox, OnlyX::new(&probe), long_park.clone());
+    let a = Uuid::new_v4();
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong {
+        aggregate: a,
+        seq: 1,
+    })
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    assert_eq!(old_build.run_once().await.unwrap().parked, 1);
+    // Another relay of the old build changes nothing: it reads what the first one did not.
+    let same_build = relay(&outbox, OnlyX::new(&probe), long_park.clone());
+    assert_eq!(same_build.run_once().await.unwrap().claimed, 0);
+    let new_build = relay(&outbox, PingPong::new(&probe), long_park);
+    run_until(&new_build, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
 }
 
 async fn a_payload_of_a_newer_version_is_parked_not_dead<B: TestBackend>() {
