@@ -307,7 +307,6 @@ impl Backend for MySql {
                  VALUES (?, ?, ?, ?, coalesce(?, UTC_TIMESTAMP(6)))"
             )),
             expire_relays: sql(format!("DELETE FROM {relays} WHERE seen_at < ? AND id <> ?")),
-            // A new registration takes the next generation; a renewal keeps its own.
             // After `expire_relays`: a build that no live relay runs arrives (this relay's
             // first registration, a routing no live relay has); it may read what was parked
             // for want of a build, so parked events are due now, not when their park ends.
@@ -317,6 +316,7 @@ impl Backend for MySql {
                  WHERE parked_until > ?
                    AND NOT EXISTS (SELECT 1 FROM {relays} WHERE id = ? OR routing = ?)"
             )),
+            // A new registration takes the next generation; a renewal keeps its own.
             register: sql(format!(
                 "INSERT INTO {relays} (id, generation, routing, registered_at, seen_at)
                  SELECT ?, coalesce(max(generation), 0) + 1, ?, ?, ? FROM {relays}

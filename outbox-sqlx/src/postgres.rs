@@ -925,7 +925,7 @@ SELECT (SELECT id FROM claim), NULL, NULL, NULL, NULL, NULL,
            pg_snapshot_xmin(pg_current_snapshot())::text,
            pg_snapshot_xmax(pg_current_snapshot())::text,
            -- When no claim was made, milliseconds until the earliest retry or parked event
-           -- not due yet (`due_idx`, `parked_idx`: a probe each), or live claim's expiry (a
+           -- not due yet (`due_idx`, `parked_idx`: a probe each), or a live claim's expiry (a
            -- dead relay's work is free then; the first moment after its `until`), so that an
            -- idle relay wakes for it. (A claim that took work skips them: its relay looks again
            -- at once.)
