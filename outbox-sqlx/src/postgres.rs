@@ -19,7 +19,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    hold_after, registry_of, row_count, sealed, sql, subscribers_query,
+    hold_after, registry_of, row_count, sealed, seconds, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -1242,8 +1242,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         crate::__fault_injection::claim_lock_held();
         let rows = sqlx::query(queries.claim.clone())
             .bind(i64::from(limit))
-            .bind(lease.as_secs_f64())
-            .bind(hold_after(lease).as_secs_f64())
+            .bind(seconds(lease))
+            .bind(seconds(hold_after(lease)))
             .bind(&filter.skip_event_types)
             .bind(&filter.skip_subscribers)
             .bind(queries.claims_floor.load(Relaxed))
@@ -1318,7 +1318,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         let rows: Vec<(Uuid, i64, String)> = sqlx::query_as(queries.register.clone())
             .bind(relay)
             .bind(routing)
-            .bind(ttl.as_secs_f64())
+            .bind(seconds(ttl))
             .fetch_all(pool)
             .await?;
         Ok(registry_of(rows))
@@ -1342,7 +1342,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         ttl: Duration,
     ) -> Result<Registry, sqlx::Error> {
         let rows: Vec<(Uuid, i64, String)> = sqlx::query_as(queries.live_relays.clone())
-            .bind(ttl.as_secs_f64())
+            .bind(seconds(ttl))
             .fetch_all(pool)
             .await?;
         Ok(registry_of(rows))
@@ -1375,7 +1375,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     ) -> Result<bool, sqlx::Error> {
         let renewed = sqlx::query(queries.renew.clone())
             .bind(token.get())
-            .bind(lease.as_secs_f64())
+            .bind(seconds(lease))
             .execute(pool)
             .await?
             .rows_affected();
@@ -1436,7 +1436,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 EventOutcome::Parked { reason, retry_in } => {
                     parked_ids.push(*id);
                     parked_reasons.push(reason.as_str());
-                    parked_delays.push(retry_in.as_secs_f64());
+                    parked_delays.push(seconds(*retry_in));
                 }
                 EventOutcome::Dead { reason } => {
                     dead_ids.push(*id);
@@ -1571,7 +1571,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         batch_size: u32,
     ) -> Result<u64, sqlx::Error> {
         Ok(sqlx::query(queries.purge_inbox.clone())
-            .bind(older_than.as_secs_f64())
+            .bind(seconds(older_than))
             .bind(i64::from(batch_size))
             .execute(pool)
             .await?
@@ -1596,7 +1596,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         window: Duration,
     ) -> Result<u64, sqlx::Error> {
         let count: i64 = sqlx::query_scalar(queries.published_within.clone())
-            .bind(window.as_secs_f64())
+            .bind(seconds(window))
             .fetch_one(pool)
             .await?;
         Ok(row_count(count))
@@ -1809,7 +1809,7 @@ impl<'a> Upserts<'a> {
         self.attempts
             .push(i32::try_from(attempts).unwrap_or(i32::MAX));
         self.errors.push(error.map(String::as_str));
-        self.delays.push(delay.map(|d| d.as_secs_f64()));
+        self.delays.push(delay.map(seconds));
         self.dead.push(dead);
     }
 }
@@ -1847,7 +1847,7 @@ async fn purge_step<'c>(
 ) -> Result<PurgeStep, sqlx::Error> {
     let (deleted, published_at, id): (i64, Option<i64>, Option<i64>) =
         sqlx::query_as(queries.purge_published.clone())
-            .bind(older_than.as_secs_f64())
+            .bind(seconds(older_than))
             .bind(batch_size)
             .bind(after.map(|a| a.published_at))
             .bind(after.map(|a| a.id))
@@ -3228,5 +3228,57 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(left, 1);
+    }
+
+    /// A retry or a park longer than a timestamp holds (a caller of the store other than the
+    /// relay, whose settings stop at 1000 years) is recorded far ahead, not refused: a refused
+    /// record would deliver the batch again at its lease's end.
+    #[tokio::test]
+    async fn a_delay_no_timestamp_holds_is_recorded_far_ahead_not_refused() {
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let (parked, retried) = (
+            insert_event(&db.pool, Uuid::new_v4()).await.unwrap(),
+            insert_event(&db.pool, Uuid::new_v4()).await.unwrap(),
+        );
+        let batch = claim_ten(&db.pool, &queries).await;
+        assert_eq!(batch.claims.len(), 2);
+        let outcomes = Outcomes {
+            events: vec![
+                (
+                    parked,
+                    EventOutcome::Parked {
+                        reason: "newer".to_owned(),
+                        retry_in: Duration::MAX,
+                    },
+                ),
+                (retried, EventOutcome::Published),
+            ],
+            deliveries: vec![DeliveryRecord {
+                event_id: retried,
+                aggregate_type: "t".to_owned(),
+                aggregate_id: Uuid::new_v4(),
+                subscriber: "s".to_owned(),
+                outcome: DeliveryOutcome::Retry {
+                    attempts: 1,
+                    error: "down".to_owned(),
+                    retry_in: Duration::MAX,
+                },
+            }],
+        };
+        let recorded = Postgres::record(&db.pool, &queries, batch.token, &outcomes, false);
+        assert_eq!(recorded.await.unwrap(), Recorded::Applied);
+        let far: (bool, bool) = sqlx::query_as(
+            "SELECT (SELECT next_retry_at > now() + interval '999 years'
+                     FROM events.outbox WHERE id = $1),
+                    (SELECT next_retry_at > now() + interval '999 years'
+                     FROM events.outbox_deliveries WHERE event_id = $2)",
+        )
+        .bind(parked)
+        .bind(retried)
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(far, (true, true));
     }
 }
