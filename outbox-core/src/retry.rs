@@ -4,12 +4,11 @@ use std::time::Duration;
 
 use crate::error::ConfigError;
 
-/// The longest delay a setting that becomes a time in the store may have (a retry delay, the
-/// park delay, the lease, the retention window): every backend stores a time that far from now
-/// (MySQL's `DATETIME` ends in the year 9999), also twice it, with the most jitter.
-pub(crate) const LONGEST: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+use crate::store::LONGEST_DELAY as LONGEST;
 
-/// Refuses a `value` of `setting` beyond [`LONGEST`], saying what to do instead (`instead`).
+/// Refuses a `value` of `setting` that becomes a time in the store (a retry delay, the park
+/// delay, the lease, the retention window) beyond [`LONGEST`], saying what to do instead
+/// (`instead`).
 pub(crate) fn within_longest(
     setting: &'static str,
     value: Duration,

@@ -572,6 +572,12 @@ impl Purged {
     }
 }
 
+/// The longest delay a store is asked to hold as a time from now (a retry, a park, a lease, a
+/// retention window): 1000 years, which every backend stores (MySQL's `DATETIME` ends in the
+/// year 9999), also twice over, with the most jitter. The relay's settings stop there; a store
+/// given a longer one treats it as this long.
+pub const LONGEST_DELAY: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
+
 /// The relay's view of a database: claim work, renew and record claims, requeue dead letters.
 ///
 /// Implemented by the PostgreSQL and SQLite stores of `outbox-sqlx` and by the test kit's

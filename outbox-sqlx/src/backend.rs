@@ -537,13 +537,12 @@ pub(crate) fn due_in_micros(micros: i128) -> Duration {
     Duration::from_millis(micros.div_ceil(1000))
 }
 
-/// A delay in seconds, as PostgreSQL multiplies an interval by it: at most 1000 years, which
-/// every timestamp from now holds (the relay's settings stop there; a longer one, from another
-/// caller of the store, means as much, where PostgreSQL would refuse the statement).
+/// A delay in seconds, as PostgreSQL multiplies an interval by it: at most
+/// [`LONGEST_DELAY`](outbox_core::store::LONGEST_DELAY) (a longer one, from another caller of
+/// the store, means as much, where PostgreSQL would refuse the statement).
 #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
 pub(crate) fn seconds(delay: Duration) -> f64 {
-    const LONGEST: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
-    delay.min(LONGEST).as_secs_f64()
+    delay.min(outbox_core::store::LONGEST_DELAY).as_secs_f64()
 }
 
 /// How old a claim must be before the events waiting behind it are set aside (out of the claim

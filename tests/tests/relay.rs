@@ -104,6 +104,13 @@ async fn publish<B: TestBackend>(outbox: &TestOutbox<B>, events: &[Ping]) {
     tx.commit().await.unwrap();
 }
 
+/// Publishes `Pong` 1 of `aggregate`, a type relays that route only `Ping` do not know.
+async fn publish_pong<B: TestBackend>(outbox: &TestOutbox<B>, aggregate: Uuid) {
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish(&Pong { aggregate, seq: 1 }).await.unwrap();
+    tx.commit().await.unwrap();
+}
+
 async fn publish_one<B: TestBackend>(outbox: &TestOutbox<B>, aggregate: Uuid, seq: u32) -> i64 {
     publish(outbox, &[Ping { aggregate, seq }]).await;
     B::events(outbox.pool()).await.last().unwrap().id
@@ -869,14 +876,7 @@ async fn an_event_type_this_build_does_not_route_is_parked_until_a_build_that_do
     let probe = Probe::default();
     let old_build = relay(&outbox, OnlyX::new(&probe), config());
     let a = Uuid::new_v4();
-    let mut tx = outbox.begin().await.unwrap();
-    tx.publish(&Pong {
-        aggregate: a,
-        seq: 1,
-    })
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    publish_pong(&outbox, a).await;
     let id = B::events(outbox.pool()).await[0].id;
 
     assert_eq!(old_build.run_once().await.unwrap().parked, 1);
@@ -904,14 +904,7 @@ async fn an_event_parked_for_want_of_a_build_is_taken_when_the_build_arrives_not
     let long_park = config().with_park_delay(Duration::from_secs(3600));
     let old_build = relay(&outbox, OnlyX::new(&probe), long_park.clone());
     let a = Uuid::new_v4();
-    let mut tx = outbox.begin().await.unwrap();
-    tx.publish(&Pong {
-        aggregate: a,
-        seq: 1,
-    })
-    .await
-    .unwrap();
-    tx.commit().await.unwrap();
+    publish_pong(&outbox, a).await;
     assert_eq!(old_build.run_once().await.unwrap().parked, 1);
     // Another relay of the old build changes nothing: it reads what the first one did not.
     let same_build = relay(&outbox, OnlyX::new(&probe), long_park.clone());
@@ -1637,31 +1630,42 @@ async fn a_dead_undecodable_event_can_be_requeued_after_a_fix<B: TestBackend>() 
     run_until(&relay, WAIT, || probe.delivered_to("x") == [(a, 1)]).await;
 }
 
-async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers<B: TestBackend>() {
-    let (_db, outbox) = setup::<B>().await;
-    let probe = Probe::default();
-    let a = Uuid::new_v4();
+/// Publishes event 1 of `a`, and has a relay with `lease` claim it and die (aborted) in its call
+/// of `x`, which never returns: the claim is left to expire. Returns the event's id and when
+/// the relay died.
+async fn a_relay_dies_in_a_call<B: TestBackend>(
+    outbox: &TestOutbox<B>,
+    probe: &Probe,
+    a: Uuid,
+    lease: Duration,
+) -> (i64, std::time::Instant) {
     let entered = Arc::new(Notify::new());
-    let never = Arc::new(Notify::new());
     probe.fail(
         "x",
         a,
         1,
         [Fail::Block {
             entered: entered.clone(),
-            release: never,
+            release: Arc::new(Notify::new()),
         }],
     );
-    let lease = Duration::from_secs(1);
-    let short = config().with_lease(lease).with_handler_timeout(ms(400));
-    let first = relay(&outbox, OnlyX::new(&probe), short.clone());
-    let id = publish_one(&outbox, a, 1).await;
+    let short = config().with_lease(lease).with_handler_timeout(lease / 3);
+    let first = relay(outbox, OnlyX::new(probe), short);
+    let id = publish_one(outbox, a, 1).await;
     let task = tokio::spawn(async move { first.run_once().await });
     entered.notified().await;
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
-    let claimed_at = tokio::time::Instant::now();
+    (id, std::time::Instant::now())
+}
 
+async fn an_aborted_relay_leaves_claims_that_expire_and_another_relay_delivers<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    let lease = Duration::from_secs(1);
+    let (id, claimed_at) = a_relay_dies_in_a_call(&outbox, &probe, a, lease).await;
+    let short = config().with_lease(lease).with_handler_timeout(ms(400));
     let second = relay(&outbox, OnlyX::new(&probe), short);
     // The claim still holds: nothing for the second relay yet.
     assert_eq!(second.run_once().await.unwrap().claimed, 0);
@@ -1706,17 +1710,13 @@ async fn graceful_shutdown_records_the_batch_in_progress<B: TestBackend>() {
 async fn a_commit_in_this_process_wakes_an_idle_relay<B: TestBackend>() {
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
-    let store = WatchedStore::new(outbox.store());
-    let idle = store.idle.clone();
     let sleepy = config().with_poll_interval(Duration::from_secs(3600));
-    let relay = Relay::new(store, OnlyX::new(&probe), sleepy).unwrap();
-    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
     // The relay found nothing; from here only a wake-up makes it claim within the hour.
-    idle.notified().await;
+    let running = run_idle(outbox.store(), OnlyX::new(&probe), sleepy).await;
     let a = Uuid::new_v4();
     publish_one(&outbox, a, 1).await;
     wait_for(|| probe.delivered_to("x") == [(a, 1)]).await;
-    worker.abort();
+    running.stop().await;
 }
 
 /// A relay that records retries due at different times wakes for each, not only for the
@@ -1843,25 +1843,8 @@ async fn a_claim_a_dead_relay_left_is_taken_when_it_expires_not_at_the_next_poll
     let (_db, outbox) = setup::<B>().await;
     let probe = Probe::default();
     let a = Uuid::new_v4();
-    let entered = Arc::new(Notify::new());
-    probe.fail(
-        "x",
-        a,
-        1,
-        [Fail::Block {
-            entered: entered.clone(),
-            release: Arc::new(Notify::new()),
-        }],
-    );
     let lease = Duration::from_secs(2);
-    let short = config().with_lease(lease).with_handler_timeout(ms(800));
-    let first = relay(&outbox, OnlyX::new(&probe), short);
-    publish_one(&outbox, a, 1).await;
-    let task = tokio::spawn(async move { first.run_once().await });
-    entered.notified().await;
-    task.abort();
-    assert!(task.await.unwrap_err().is_cancelled());
-    let claimed_at = std::time::Instant::now();
+    let (_, claimed_at) = a_relay_dies_in_a_call(&outbox, &probe, a, lease).await;
     publish_one(&outbox, a, 2).await;
     let sleepy = config().with_poll_interval(Duration::from_secs(3600));
     let second = relay(&outbox, OnlyX::new(&probe), sleepy);
