@@ -84,6 +84,8 @@ mod mysql;
 mod names;
 mod outbox;
 #[cfg(feature = "postgres")]
+mod partitions;
+#[cfg(feature = "postgres")]
 mod postgres;
 #[cfg(feature = "sqlite")]
 mod sqlite;

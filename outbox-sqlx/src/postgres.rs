@@ -96,6 +96,9 @@ const MIGRATIONS: &[Migration] = &[
 #[derive(Debug)]
 pub struct PgQueries {
     lock_namespace: i32,
+    /// The tables' names, for the work on partitions (`crate::partitions`).
+    names: TableNames,
+    deliveries: String,
     /// No claim with a lower id is live: the claim reads the claims table from here, by index
     /// (rows deleted below it may be kept for a long time by a session holding an old
     /// snapshot). Claims are taken one at a time and their ids only grow, so the lowest live
@@ -489,6 +492,8 @@ SELECT live FROM live"#
         };
         PgQueries {
             lock_namespace: names.lock_namespace(),
+            names: names.clone(),
+            deliveries: deliveries.clone(),
             claims_floor: AtomicI64::new(0),
             events_floor: Mutex::default(),
             register: sql(format!(
@@ -1585,7 +1590,26 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         batch_size: u32,
         after: Option<PurgedUpTo>,
     ) -> Result<PurgeStep, sqlx::Error> {
-        purge_step(pool, queries, older_than, i64::from(batch_size), after).await
+        let mut emptied = 0;
+        if after.is_none() {
+            // A purge from the oldest: first, whole partitions (when the table has them).
+            match crate::partitions::maintain(pool, &queries.names, &queries.deliveries, older_than)
+                .await
+            {
+                Ok(done) => {
+                    if done != crate::partitions::Maintained::default() {
+                        tracing::debug!(?done, "outbox purge worked on partitions");
+                    }
+                    emptied = done.events;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "outbox purge cannot work on partitions");
+                }
+            }
+        }
+        let mut step = purge_step(pool, queries, older_than, i64::from(batch_size), after).await?;
+        step.deleted += emptied;
+        Ok(step)
     }
 
     crate::views::operator_views!(PgPool, PgQueries, PgConnection);

@@ -77,6 +77,14 @@ pub trait TestBackend: Backend + Sized {
     /// A fresh, empty database and a pool on it.
     fn fresh() -> impl Future<Output = (Self::Guard, Pool<Self>)> + Send;
 
+    /// Shapes a freshly migrated outbox as the environment asks: on PostgreSQL, with
+    /// `OUTBOX_TEST_PARTITION_SIZE=N`, its events table partitioned by id, N ids a partition
+    /// (to run the shared tests on that layout).
+    fn shape(pool: &Pool<Self>) -> impl Future<Output = ()> + Send {
+        let _ = pool;
+        async {}
+    }
+
     /// The URL of the database of `guard`.
     fn url(guard: &Self::Guard) -> String;
 
@@ -186,6 +194,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
     let (guard, pool) = B::fresh().await;
     let outbox = Outbox::new(pool);
     outbox.migrate().await.expect("migrate");
+    B::shape(outbox.pool()).await;
     (guard, outbox)
 }
 
@@ -198,6 +207,18 @@ impl TestBackend for Postgres {
         let db = TestDb::new().await;
         let pool = db.pool.clone();
         (db, pool)
+    }
+
+    async fn shape(pool: &Pool<Postgres>) {
+        if let Some(size) = std::env::var("OUTBOX_TEST_PARTITION_SIZE")
+            .ok()
+            .and_then(|size| size.parse().ok())
+        {
+            Outbox::<Postgres, ()>::new(pool.clone())
+                .partition_by_id(size)
+                .await
+                .expect("partition");
+        }
     }
 
     fn url(guard: &TestDb) -> String {

@@ -1,0 +1,846 @@
+//! PostgreSQL: an events table partitioned by id, whose retention gives old events back whole.
+//!
+//! Retention that deletes rows frees their space for reuse inside the table's files, not for
+//! the file system: a table that grew under a burst, or while a session held an old snapshot
+//! (vacuum can then reclaim nothing), keeps its size. [`Outbox::partition_by_id`] makes the
+//! events table a parent of range partitions of consecutive ids; retention then empties a
+//! partition whose events are all published, delivered and older than its window with one
+//! `TRUNCATE` (its files go at once), and drops it. See ARCHITECTURE.md, "Partitions".
+//!
+//! The partitions:
+//!
+//! - `<table>_p0`: the table as it was, events up to the first id drawn after the conversion;
+//! - `<table>_p<first id>`: `events_per_partition` ids each, made ahead of the ids being drawn
+//!   ([`AHEAD`] of them) by each purge;
+//! - `<table>_pdefault`: the events no range partition takes, when the purges fell behind (or
+//!   retention is off): nothing is refused. Its events are purged row by row, as before.
+//!
+//! Locks: a purge makes a partition with `ATTACH PARTITION` (it takes `SHARE UPDATE EXCLUSIVE`
+//! on the table: publishers and relays go on); it empties one with `TRUNCATE`, which locks that
+//! partition alone, and detaches an empty one, which locks the table for a moment. Each waits at
+//! most [`LOCK_WAIT`] for its lock and leaves the work to the next purge otherwise, so that no
+//! publisher or relay queues behind it for longer.
+
+use std::time::Duration;
+
+use sqlx::{Executor, PgConnection, PgPool, Postgres};
+
+use crate::backend::{seconds, sql};
+use crate::error::Error;
+use crate::names::TableNames;
+use crate::outbox::Outbox;
+
+/// Range partitions kept made ahead of the ids being drawn. Each partition is in the plan of
+/// every statement that reads the table (generic plans cannot leave out empty ones): few.
+pub(crate) const AHEAD: i64 = 2;
+
+/// How long partition work waits for a lock before it leaves the work to the next purge:
+/// while it waits, statements that need the table (or the partition) queue behind it.
+pub(crate) const LOCK_WAIT: Duration = Duration::from_millis(20);
+
+/// The most events one partition may hold.
+pub(crate) const MOST_PER_PARTITION: u64 = 1 << 40;
+
+/// How far above the last id drawn a partition made after the ids outran the partitions
+/// starts, at most (a partition's size if smaller): events written meanwhile, between the
+/// two, go to the default partition, where they do not stop the new partition's attachment.
+const SLACK: i64 = 1_000;
+
+/// How many ids the table as it was (`<table>_p0`) takes beyond the last one drawn when the
+/// conversion began: the ids drawn while the conversion checks its rows, without blocking.
+const CONVERSION_MARGIN: i64 = 1_000_000;
+
+/// The most steps (a partition made, emptied or dropped) of one purge's partition work.
+const MOST_STEPS: usize = 64;
+
+impl<R> Outbox<Postgres, R> {
+    /// Partitions the events table by id, `events_per_partition` ids a partition, so that
+    /// [retention](outbox_core::RelayConfig::with_retention) gives old events back to the file
+    /// system whole: a partition whose events are all published, delivered and older than the
+    /// window is emptied with `TRUNCATE` and dropped, instead of deleting its rows one by one
+    /// (whose space the table keeps). A table that grew under a burst, or while a session held
+    /// an old snapshot, shrinks back once its events are past the window.
+    ///
+    /// Migrates first. The table keeps its name, its rows (in the first partition, `<table>_p0`)
+    /// and its indexes; publishers and relays of any build go on using it. Without blocking
+    /// them, the conversion checks every row once (an event id below a bound), then takes the
+    /// table's lock for a moment to rename and attach it. The partitions' own purges make the
+    /// next partitions ahead of the ids being drawn; events beyond them (no purge ran for a
+    /// while, or retention is off) go to a default partition, never refused. The events table
+    /// no longer has a foreign key from the deliveries (the relay never writes one without its
+    /// event, and retention checks it before an event goes).
+    ///
+    /// Size the partitions so that one holds a good share of the retention window (a tenth of
+    /// it, say) and more than a purge interval of events: partitions are given back whole, so
+    /// the table holds the window plus up to one partition. Calling this again on a partitioned
+    /// table changes the size of the partitions made from then on.
+    ///
+    /// PostgreSQL only; 12 or newer.
+    ///
+    /// ```no_run
+    /// # async fn f(pool: sqlx::PgPool) -> Result<(), outbox_sqlx::Error> {
+    /// use outbox_sqlx::Outbox;
+    ///
+    /// let outbox: Outbox<sqlx::Postgres, ()> = Outbox::new(pool);
+    /// outbox.partition_by_id(1_000_000).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn partition_by_id(&self, events_per_partition: u64) -> Result<(), Error> {
+        if !(1..=MOST_PER_PARTITION).contains(&events_per_partition) {
+            return Err(outbox_core::ConfigError::InvalidSetting {
+                setting: "events per partition",
+                reason: format!(
+                    "{events_per_partition} is out of range: use 1 to {MOST_PER_PARTITION}"
+                ),
+            }
+            .into());
+        }
+        let size = i64::try_from(events_per_partition).unwrap_or(i64::MAX);
+        self.migrate().await?;
+        convert(self.pool(), self.names(), size).await?;
+        Ok(())
+    }
+}
+
+/// The SQL names of one set of tables' partitions.
+struct Names<'a> {
+    names: &'a TableNames,
+    outbox: String,
+    settings: String,
+    id_seq: String,
+}
+
+impl<'a> Names<'a> {
+    fn new(names: &'a TableNames) -> Self {
+        Self {
+            names,
+            outbox: names.qualified(""),
+            settings: names.qualified("_partitioning"),
+            id_seq: names.qualified("_id_seq"),
+        }
+    }
+
+    /// The range partition whose first id is `lo`.
+    fn partition(&self, lo: i64) -> String {
+        self.names.qualified(&format!("_p{lo}"))
+    }
+
+    /// The one-key advisory lock that admits one partition worker at a time (the claim's lock
+    /// is the odd one of the same namespace).
+    fn lock(&self) -> i64 {
+        i64::from(self.names.lock_namespace()) << 1
+    }
+}
+
+/// Whether the events table is partitioned.
+async fn is_partitioned(conn: &mut PgConnection, n: &Names<'_>) -> Result<bool, sqlx::Error> {
+    let kind: Option<bool> =
+        sqlx::query_scalar("SELECT c.relkind = 'p' FROM pg_class AS c WHERE c.oid = to_regclass($1)")
+            .bind(&n.outbox)
+            .fetch_optional(&mut *conn)
+            .await?
+            .flatten();
+    Ok(kind == Some(true))
+}
+
+/// The last event id drawn (none yet: 0).
+async fn last_id(conn: &mut PgConnection, n: &Names<'_>) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar(sql(format!(
+        "SELECT CASE WHEN is_called THEN last_value ELSE last_value - 1 END FROM {}",
+        n.id_seq
+    )))
+    .fetch_one(&mut *conn)
+    .await
+}
+
+/// Makes the events table of `names` partitioned, or sets the size of the partitions made from
+/// now on if it is.
+///
+/// On a connection of its own that holds the partition workers' lock throughout (purges leave
+/// their partition work meanwhile): if the conversion fails, or its process dies, half way,
+/// the check it added goes with it (here, or at the next purge, `drop_leftover_check`).
+async fn convert(pool: &PgPool, names: &TableNames, size: i64) -> Result<(), sqlx::Error> {
+    let n = Names::new(names);
+    let mut conn = pool.acquire().await?.detach();
+    sqlx::query("SELECT pg_advisory_lock($1)")
+        .bind(n.lock())
+        .execute(&mut conn)
+        .await?;
+    let converted = convert_locked(&mut conn, &n, size).await;
+    if converted.is_err() {
+        let _ = drop_leftover_check(&mut conn, &n).await;
+    }
+    let _ = sqlx::Connection::close(conn).await;
+    converted
+}
+
+/// The check constraint a conversion adds to the table as it was (ids below a bound).
+fn leftover_check(names: &TableNames) -> String {
+    names.local("_p0_ids")
+}
+
+/// Drops the check a conversion that did not finish left on the events table (it would refuse
+/// ids beyond its bound), unless a conversion is at work (it holds the lock; the session that
+/// holds it may take it again).
+async fn drop_leftover_check(conn: &mut PgConnection, n: &Names<'_>) -> Result<(), sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(n.lock())
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked || is_partitioned(&mut tx, n).await? {
+        return Ok(());
+    }
+    run(
+        &mut *tx,
+        format!(
+            "SET LOCAL lock_timeout = '{}ms';
+             ALTER TABLE {} DROP CONSTRAINT IF EXISTS {};",
+            LOCK_WAIT.as_millis(),
+            n.outbox,
+            leftover_check(n.names)
+        ),
+    )
+    .await?;
+    tx.commit().await
+}
+
+async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Result<(), sqlx::Error> {
+    let names = n.names;
+    let check = leftover_check(names);
+    let old = names.qualified("_p0");
+    let bound = {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        if is_partitioned(&mut tx, n).await? {
+            run(
+                &mut *tx,
+                format!("UPDATE {} SET events_per_partition = {size}", n.settings),
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(());
+        }
+        // Every id drawn until the table is converted stays below the bound; rows written
+        // from now on are checked at once, those before by the validation below.
+        let bound = last_id(&mut tx, n)
+            .await?
+            .saturating_add(CONVERSION_MARGIN);
+        run(
+            &mut *tx,
+            format!(
+                "ALTER TABLE {outbox} DROP CONSTRAINT IF EXISTS {check};
+                 ALTER TABLE {outbox} ADD CONSTRAINT {check} CHECK (id < {bound}) NOT VALID;",
+                outbox = n.outbox
+            ),
+        )
+        .await?;
+        tx.commit().await?;
+        bound
+    };
+    // Reads every row, while publishers and relays go on.
+    run(
+        &mut *conn,
+        format!("ALTER TABLE {} VALIDATE CONSTRAINT {check}", n.outbox),
+    )
+    .await?;
+
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    run(
+        &mut *tx,
+        format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", n.outbox),
+    )
+    .await?;
+    // The ids drawn from now on go to the partitions after the old table.
+    let last = last_id(&mut tx, n).await?;
+    if last < bound - 1 {
+        sqlx::query("SELECT setval($1::regclass, $2)")
+            .bind(&n.id_seq)
+            .bind(bound - 1)
+            .execute(&mut *tx)
+            .await?;
+    }
+    // The old table and what hangs on it, before it is renamed: its indexes (re-created on
+    // the parent under their names, and attached), its triggers (moved to the parent, which
+    // gives them to every partition) and the foreign keys that point at it (dropped: a
+    // partition referred to cannot be emptied with TRUNCATE).
+    let indexes: Vec<(String, String, bool)> = sqlx::query_as(
+        "SELECT i.indexrelid::regclass::text, c.relname::text, i.indisprimary
+         FROM pg_index AS i JOIN pg_class AS c ON c.oid = i.indexrelid
+         WHERE i.indrelid = $1::regclass ORDER BY c.relname",
+    )
+    .bind(&n.outbox)
+    .fetch_all(&mut *tx)
+    .await?;
+    let foreign_keys: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.conrelid::regclass::text, quote_ident(c.conname)
+         FROM pg_constraint AS c WHERE c.confrelid = $1::regclass AND c.contype = 'f'",
+    )
+    .bind(&n.outbox)
+    .fetch_all(&mut *tx)
+    .await?;
+    let old_text: String = {
+        run(&mut *tx, format!(
+            "ALTER TABLE {} RENAME TO {}",
+            n.outbox,
+            names.local("_p0")
+        ))
+        .await?;
+        // As `pg_get_indexdef` and `pg_get_triggerdef` print it: always with its schema.
+        sqlx::query_scalar(
+            "SELECT quote_ident(s.nspname) || '.' || quote_ident(c.relname)
+             FROM pg_class AS c JOIN pg_namespace AS s ON s.oid = c.relnamespace
+             WHERE c.oid = $1::regclass",
+        )
+        .bind(&old)
+        .fetch_one(&mut *tx)
+        .await?
+    };
+    let triggers: Vec<(String, String)> = sqlx::query_as(
+        "SELECT t.tgname::text, pg_get_triggerdef(t.oid)
+         FROM pg_trigger AS t WHERE t.tgrelid = $1::regclass AND NOT t.tgisinternal",
+    )
+    .bind(&old)
+    .fetch_all(&mut *tx)
+    .await?;
+    for (referring, constraint) in &foreign_keys {
+        run(&mut *tx, format!(
+            "ALTER TABLE {referring} DROP CONSTRAINT {constraint}"
+        ))
+        .await?;
+    }
+    for (name, _) in &triggers {
+        run(&mut *tx, format!(
+            "DROP TRIGGER {} ON {old}",
+            quote(name)
+        ))
+        .await?;
+    }
+    // Free the indexes' names for the parent's.
+    let mut definitions = Vec::new();
+    for (i, (index, name, primary)) in indexes.iter().enumerate() {
+        let temporary = names.local(&format!("_p0_index{i}"));
+        run(&mut *tx, format!("ALTER INDEX {index} RENAME TO {temporary}"))
+            .await?;
+        let definition: String = sqlx::query_scalar(
+            "SELECT pg_get_indexdef(to_regclass($1))",
+        )
+        .bind(format!("{}.{temporary}", names.quoted_schema()))
+        .fetch_one(&mut *tx)
+        .await?;
+        definitions.push((name.clone(), definition, *primary));
+    }
+    run(&mut *tx, format!(
+        "CREATE TABLE {outbox} (LIKE {old} INCLUDING DEFAULTS INCLUDING STORAGE INCLUDING COMMENTS)
+             PARTITION BY RANGE (id);
+         ALTER SEQUENCE {id_seq} OWNED BY {outbox}.id;",
+        outbox = n.outbox,
+        id_seq = n.id_seq,
+    ))
+    .await?;
+    for (name, definition, primary) in &definitions {
+        if *primary {
+            run(&mut *tx, format!(
+                "ALTER TABLE {} ADD CONSTRAINT {} PRIMARY KEY (id)",
+                n.outbox,
+                quote(name)
+            ))
+            .await?;
+        } else {
+            // "CREATE INDEX <temporary> ON <old> USING ..." -> "... <name> ON <parent> USING".
+            let on_old = format!(" ON {old_text} USING ");
+            let Some(((create, _), tail)) = definition
+                .split_once(&on_old)
+                .and_then(|(head, tail)| Some((head.rsplit_once(' ')?, tail)))
+            else {
+                return Err(sqlx::Error::Protocol(format!(
+                    "cannot read the definition of index {name}: {definition}"
+                )));
+            };
+            run(
+                &mut *tx,
+                format!("{create} {} ON {} USING {tail}", quote(name), n.outbox),
+            )
+            .await?;
+        }
+    }
+    for (name, definition) in &triggers {
+        let on_old = format!(" ON {old_text} ");
+        let Some((head, tail)) = definition.split_once(&on_old) else {
+            return Err(sqlx::Error::Protocol(format!(
+                "cannot read the definition of trigger {name}: {definition}"
+            )));
+        };
+        run(&mut *tx, format!("{head} ON {} {tail}", n.outbox))
+            .await?;
+    }
+    // The check proves the old table's range: attaching it reads no row.
+    run(&mut *tx, format!(
+        "ALTER TABLE {outbox} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({bound});
+         ALTER TABLE {old} DROP CONSTRAINT {check};
+         CREATE TABLE {default} PARTITION OF {outbox} DEFAULT;
+         CREATE TABLE {settings} (events_per_partition BIGINT NOT NULL);
+         INSERT INTO {settings} VALUES ({size});",
+        outbox = n.outbox,
+        default = names.qualified("_pdefault"),
+        settings = n.settings,
+    ))
+    .await?;
+    for k in 0..AHEAD {
+        let lo = bound.saturating_add(k.saturating_mul(size));
+        run(&mut *tx, format!(
+            "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({lo}) TO ({})",
+            n.partition(lo),
+            n.outbox,
+            lo.saturating_add(size)
+        ))
+        .await?;
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// `"name"`, quoted.
+fn quote(name: &str) -> String {
+    format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Runs `text` (statements naming partitions: not kept as prepared statements).
+async fn run(conn: &mut PgConnection, text: String) -> Result<(), sqlx::Error> {
+    conn.execute(sqlx::raw_sql(sql(text))).await?;
+    Ok(())
+}
+
+/// What one purge's partition work did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Maintained {
+    /// Partitions made ahead of the ids.
+    pub made: u64,
+    /// Partitions emptied, and the events they held.
+    pub emptied: u64,
+    pub events: u64,
+    /// Empty partitions dropped.
+    pub dropped: u64,
+}
+
+/// One partition: its first id (`None`: from the lowest) and the id after its last.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Partition {
+    name: String,
+    lo: Option<i64>,
+    hi: i64,
+}
+
+/// The range of a partition from `pg_get_expr` of its bound; `None` for the default partition
+/// (or a bound this code did not make).
+fn range(bound: &str) -> Option<(Option<i64>, i64)> {
+    let rest = bound.strip_prefix("FOR VALUES FROM (")?;
+    let (from, to) = rest.split_once(") TO (")?;
+    let to = to.strip_suffix(')')?;
+    let number = |s: &str| s.trim_matches('\'').parse::<i64>().ok();
+    let lo = if from == "MINVALUE" {
+        None
+    } else {
+        Some(number(from)?)
+    };
+    Some((lo, number(to)?))
+}
+
+/// The range partitions of the events table, by first id.
+async fn partitions(conn: &mut PgConnection, n: &Names<'_>) -> Result<Vec<Partition>, sqlx::Error> {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SELECT c.oid::regclass::text, pg_get_expr(c.relpartbound, c.oid)
+         FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+         WHERE i.inhparent = $1::regclass",
+    )
+    .bind(&n.outbox)
+    .fetch_all(&mut *conn)
+    .await?;
+    let mut found: Vec<Partition> = rows
+        .into_iter()
+        .filter_map(|(name, bound)| {
+            range(&bound).map(|(lo, hi)| Partition { name, lo, hi })
+        })
+        .collect();
+    found.sort_by_key(|p| p.lo);
+    Ok(found)
+}
+
+/// The partition work of one purge: makes the partitions ahead of the ids, empties those whose
+/// events are all published, delivered and published more than `keep` ago, and drops the
+/// empty ones. Nothing when the table is not partitioned. Work whose lock is not granted
+/// within [`LOCK_WAIT`] is left to the next purge.
+pub(crate) async fn maintain(
+    pool: &PgPool,
+    names: &TableNames,
+    deliveries: &str,
+    keep: Duration,
+) -> Result<Maintained, sqlx::Error> {
+    let n = Names::new(names);
+    let mut conn = pool.acquire().await?;
+    let mut done = Maintained::default();
+    if !is_partitioned(&mut conn, &n).await? {
+        // A conversion whose process died half way left its check: dropped once no conversion
+        // holds the lock.
+        let leftover: bool = sqlx::query_scalar(
+            "SELECT EXISTS (SELECT 1 FROM pg_constraint
+                            WHERE conrelid = to_regclass($1) AND conname = $2)",
+        )
+        .bind(&n.outbox)
+        .bind(leftover_check(names).trim_matches('"'))
+        .fetch_one(&mut *conn)
+        .await?;
+        if leftover {
+            drop_leftover_check(&mut conn, &n).await?;
+        }
+        return Ok(done);
+    }
+    // Partitions looked at and kept this time (a dead letter, a lock not granted): those up
+    // to this id.
+    let mut looked_at: Option<i64> = None;
+    // Empty partitions: detached together at the end, each detach locks the table.
+    let mut empties = Vec::new();
+    for _ in 0..MOST_STEPS {
+        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+            .bind(n.lock())
+            .fetch_one(&mut *tx)
+            .await?;
+        if !locked {
+            break;
+        }
+        run(
+            &mut *tx,
+            format!("SET LOCAL lock_timeout = '{}ms'", LOCK_WAIT.as_millis()),
+        )
+        .await?;
+        let last = last_id(&mut tx, &n).await?;
+        let found = partitions(&mut tx, &n).await?;
+        let size: i64 = sqlx::query_scalar(sql(format!(
+            "SELECT events_per_partition FROM {}",
+            n.settings
+        )))
+        .fetch_one(&mut *tx)
+        .await?;
+        let Some(step) = next_step(&found, last, size, looked_at) else {
+            break;
+        };
+        let outcome = match &step {
+            Step::Make { lo, hi } => make(&mut tx, &n, *lo, *hi).await.map(|()| Looked::Made),
+            Step::Look(partition) => empty(&mut tx, partition, deliveries, keep).await,
+        };
+        match outcome {
+            Ok(looked) => {
+                tx.commit().await?;
+                match looked {
+                    Looked::Made => done.made += 1,
+                    // Looked at again by the next step: found empty then.
+                    Looked::Emptied(events) => {
+                        done.emptied += 1;
+                        done.events += events;
+                        continue;
+                    }
+                    Looked::Empty => {
+                        if let Step::Look(partition) = &step {
+                            empties.push(partition.clone());
+                        }
+                    }
+                    Looked::Kept => {}
+                }
+            }
+            // A lock not granted in time: the next purge tries again.
+            Err(error) if is_lock_timeout(&error) => {
+                tx.rollback().await?;
+                if matches!(step, Step::Make { .. }) {
+                    break;
+                }
+            }
+            Err(error) => return Err(error),
+        }
+        if let Step::Look(partition) = &step {
+            looked_at = Some(partition.hi);
+        }
+    }
+    if !empties.is_empty() {
+        match drop_empty(&mut conn, &n, &empties).await {
+            Ok(dropped) => done.dropped += dropped,
+            Err(error) if is_lock_timeout(&error) => {}
+            Err(error) => return Err(error),
+        }
+    }
+    Ok(done)
+}
+
+/// What a step did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Looked {
+    /// A partition made ahead.
+    Made,
+    /// A partition whose events may not go yet, left as it is.
+    Kept,
+    /// A partition emptied, and the events it held.
+    Emptied(u64),
+    /// A partition found empty.
+    Empty,
+}
+
+/// What partition work to do next.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Step {
+    /// Make the partition of ids `lo..hi`.
+    Make { lo: i64, hi: i64 },
+    /// Look at a partition whose ids are all drawn: empty it if its events may go, drop it if
+    /// it is empty.
+    Look(Partition),
+}
+
+/// The next step, given the range partitions (by first id), the last id drawn, the size of new
+/// partitions and the partitions looked at already (those below this id).
+fn next_step(found: &[Partition], last: i64, size: i64, looked_at: Option<i64>) -> Option<Step> {
+    let top = found.iter().map(|p| p.hi).max()?;
+    let wanted = last.saturating_add(AHEAD.saturating_mul(size));
+    if top <= wanted {
+        // Partitions ahead of the ids; when the ids outran them, above the ids drawn (those
+        // went to the default partition).
+        let lo = if top > last {
+            top
+        } else {
+            last.saturating_add(SLACK.min(size))
+        };
+        return Some(Step::Make {
+            lo,
+            hi: lo.saturating_add(size),
+        });
+    }
+    found
+        .iter()
+        .find(|p| p.hi <= last.saturating_add(1) && looked_at.is_none_or(|seen| p.hi > seen))
+        .cloned()
+        .map(Step::Look)
+}
+
+/// Makes the partition of ids `lo..hi`: an empty table, attached, which locks the events table
+/// only against other schema changes.
+async fn make(
+    tx: &mut PgConnection,
+    n: &Names<'_>,
+    lo: i64,
+    hi: i64,
+) -> Result<(), sqlx::Error> {
+    let partition = n.partition(lo);
+    run(&mut *tx, format!(
+        "CREATE TABLE {partition} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING STORAGE);
+         ALTER TABLE {outbox} ATTACH PARTITION {partition} FOR VALUES FROM ({lo}) TO ({hi});",
+        outbox = n.outbox
+    ))
+    .await?;
+    Ok(())
+}
+
+/// Empties `partition` if every event in it is published, delivered to every subscriber and
+/// published more than `keep` ago.
+async fn empty(
+    tx: &mut PgConnection,
+    partition: &Partition,
+    deliveries: &str,
+    keep: Duration,
+) -> Result<Looked, sqlx::Error> {
+    let name = &partition.name;
+    let holds_any: bool = sqlx::query_scalar(sql(format!(
+        "SELECT EXISTS (SELECT 1 FROM ONLY {name})"
+    )))
+    .persistent(false)
+    .fetch_one(&mut *tx)
+    .await?;
+    if !holds_any {
+        return Ok(Looked::Empty);
+    }
+    if !may_go(tx, name, partition, deliveries, keep).await? {
+        return Ok(Looked::Kept);
+    }
+    // Counted before the lock: statements whose plans cover every partition wait while it is
+    // held.
+    let events: i64 = sqlx::query_scalar(sql(format!("SELECT count(*) FROM ONLY {name}")))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+    // Locks this partition alone; then looks again: an event written before the lock was
+    // granted is seen now.
+    run(
+        &mut *tx,
+        format!("LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"),
+    )
+    .await?;
+    if !may_go(tx, name, partition, deliveries, keep).await? {
+        return Ok(Looked::Kept);
+    }
+    run(&mut *tx, format!("TRUNCATE {name}")).await?;
+    Ok(Looked::Emptied(u64::try_from(events).unwrap_or(0)))
+}
+
+/// Detaches and drops the `empties`, in one transaction (the table's lock is taken once);
+/// returns how many. An event may still arrive in one (an id drawn before the last, written
+/// late): each goes only if it is still empty once detached, else none goes this time.
+async fn drop_empty(
+    conn: &mut PgConnection,
+    n: &Names<'_>,
+    empties: &[Partition],
+) -> Result<u64, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(n.lock())
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked {
+        return Ok(0);
+    }
+    run(
+        &mut *tx,
+        format!("SET LOCAL lock_timeout = '{}ms'", LOCK_WAIT.as_millis()),
+    )
+    .await?;
+    for partition in empties {
+        run(
+            &mut *tx,
+            format!("ALTER TABLE {} DETACH PARTITION {}", n.outbox, partition.name),
+        )
+        .await?;
+    }
+    for partition in empties {
+        let still_empty: bool = sqlx::query_scalar(sql(format!(
+            "SELECT NOT EXISTS (SELECT 1 FROM {})",
+            partition.name
+        )))
+        .persistent(false)
+        .fetch_one(&mut *tx)
+        .await?;
+        if !still_empty {
+            tx.rollback().await?;
+            return Ok(0);
+        }
+    }
+    let names: Vec<&str> = empties.iter().map(|p| p.name.as_str()).collect();
+    run(&mut *tx, format!("DROP TABLE {}", names.join(", "))).await?;
+    tx.commit().await?;
+    Ok(empties.len() as u64)
+}
+
+/// Whether every event of `partition` is published, delivered and older than `keep`: read
+/// by its indexes (the unpublished ones are in the pending or the stalled index, the newest
+/// publication time at the end of the published index, the deliveries by event).
+async fn may_go(
+    tx: &mut PgConnection,
+    name: &str,
+    partition: &Partition,
+    deliveries: &str,
+    keep: Duration,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(sql(format!(
+        "SELECT NOT EXISTS (
+                SELECT 1 FROM ONLY {name}
+                WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
+                  AND held_by IS NULL AND held_behind IS NULL)
+            AND NOT EXISTS (
+                SELECT 1 FROM ONLY {name}
+                WHERE published_at IS NULL AND (dead_at IS NOT NULL OR next_retry_at IS NOT NULL
+                  OR held_by IS NOT NULL OR held_behind IS NOT NULL))
+            AND coalesce((SELECT max(published_at) FROM ONLY {name}
+                          WHERE published_at IS NOT NULL), '-infinity')
+                < now() - $1 * interval '1 second'
+            AND NOT EXISTS (
+                SELECT 1 FROM {deliveries}
+                WHERE event_id >= coalesce($2, '-9223372036854775808'::int8) AND event_id < $3)"
+    )))
+    .persistent(false)
+    .bind(seconds(keep))
+    .bind(partition.lo)
+    .bind(partition.hi)
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// Whether `error` is a lock not granted within `lock_timeout`.
+fn is_lock_timeout(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|e| e.code())
+        .is_some_and(|code| code == "55P03")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_bound_is_read_as_postgresql_prints_it() {
+        assert_eq!(
+            range("FOR VALUES FROM ('1000') TO ('2000')"),
+            Some((Some(1000), 2000))
+        );
+        assert_eq!(
+            range("FOR VALUES FROM (MINVALUE) TO ('17')"),
+            Some((None, 17))
+        );
+        assert_eq!(range("DEFAULT"), None);
+        assert_eq!(range("FOR VALUES IN ('1')"), None);
+    }
+
+    fn partition(lo: Option<i64>, hi: i64) -> Partition {
+        Partition {
+            name: format!("p{lo:?}"),
+            lo,
+            hi,
+        }
+    }
+
+    #[test]
+    fn partitions_are_made_ahead_of_the_ids_then_old_ones_are_looked_at_in_order() {
+        let found = [
+            partition(None, 100),
+            partition(Some(100), 110),
+            partition(Some(110), 120),
+        ];
+        // Ahead: up to 4 partitions of 10 above id 105.
+        assert_eq!(
+            next_step(&found, 105, 10, None),
+            Some(Step::Make { lo: 120, hi: 130 })
+        );
+        let mut found = found.to_vec();
+        for lo in [120, 130, 140, 150] {
+            found.push(partition(Some(lo), lo + 10));
+        }
+        // Enough ahead: the first partition whose ids are all drawn, then the next ones.
+        assert_eq!(
+            next_step(&found, 115, 10, None),
+            Some(Step::Look(found[0].clone()))
+        );
+        assert_eq!(
+            next_step(&found, 115, 10, Some(100)),
+            Some(Step::Look(found[1].clone()))
+        );
+        // The partition still drawing ids is never looked at.
+        assert_eq!(next_step(&found, 115, 10, Some(110)), None);
+        assert_eq!(
+            next_step(&found, 119, 10, Some(110)),
+            Some(Step::Look(found[2].clone()))
+        );
+    }
+
+    #[test]
+    fn ids_that_outran_the_partitions_leave_a_gap_for_the_default_partition() {
+        let found = [partition(None, 100), partition(Some(100), 110)];
+        assert_eq!(
+            next_step(&found, 5_000, 10, None),
+            Some(Step::Make {
+                lo: 5_010,
+                hi: 5_020
+            })
+        );
+        assert_eq!(
+            next_step(&found, 5_000, 10_000, None),
+            Some(Step::Make {
+                lo: 5_000 + SLACK,
+                hi: 15_000 + SLACK
+            })
+        );
+    }
+}

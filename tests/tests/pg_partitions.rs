@@ -1,0 +1,372 @@
+//! An events table partitioned by id (`Outbox::partition_by_id`, PostgreSQL): retention gives
+//! old events back whole, keeps every partition that holds something not done, and nothing is
+//! refused when the ids outrun the partitions.
+
+use std::time::Duration;
+
+use outbox_core::{Relay, RelayConfig, RetryPolicy};
+use outbox_sqlx::Requeue;
+use outbox_sqlx::Outbox;
+use outbox_tests::kit::{Fail, Ping, Probe, XAndY, run_until};
+use outbox_tests::pg::TestDb;
+use sqlx::{PgPool, Postgres};
+use uuid::Uuid;
+
+type TestOutbox = Outbox<Postgres, XAndY>;
+
+async fn setup() -> (TestDb, TestOutbox) {
+    let db = TestDb::new().await;
+    let outbox = Outbox::new(db.pool.clone());
+    outbox.migrate().await.expect("migrate");
+    (db, outbox)
+}
+
+fn config() -> RelayConfig {
+    RelayConfig::default()
+        .with_poll_interval(Duration::from_millis(20))
+        .with_retry(RetryPolicy::new([Duration::from_secs(3600)]).unwrap())
+}
+
+/// Publishes `seqs` of `aggregate`, one transaction each; returns their ids.
+async fn publish(outbox: &TestOutbox, aggregate: Uuid, seqs: std::ops::Range<u32>) -> Vec<i64> {
+    let mut ids = Vec::new();
+    for seq in seqs {
+        let mut tx = outbox.begin().await.unwrap();
+        tx.publish(&Ping { aggregate, seq }).await.unwrap();
+        tx.commit().await.unwrap();
+        ids.push(last_event(outbox.pool()).await);
+    }
+    ids
+}
+
+async fn last_event(pool: &PgPool) -> i64 {
+    sqlx::query_scalar("SELECT max(id) FROM events.outbox")
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// The partitions of the events table, by name, with the events each holds.
+async fn partitions(pool: &PgPool) -> Vec<(String, i64)> {
+    let names: Vec<String> = sqlx::query_scalar(
+        "SELECT c.relname::text FROM pg_inherits AS i JOIN pg_class AS c ON c.oid = i.inhrelid
+         WHERE i.inhparent = 'events.outbox'::regclass ORDER BY c.relname",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap();
+    let mut counted = Vec::new();
+    for name in names {
+        let n: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM events.{name}"
+        )))
+        .fetch_one(pool)
+        .await
+        .unwrap();
+        counted.push((name, n));
+    }
+    counted
+}
+
+/// The partition that holds event `id`.
+async fn partition_of(pool: &PgPool, id: i64) -> String {
+    sqlx::query_scalar("SELECT tableoid::regclass::text FROM events.outbox WHERE id = $1")
+        .bind(id)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// Delivers until `probe` saw `n` successful calls of `subscriber`.
+async fn deliver(relay: &Relay<outbox_sqlx::SqlStore<Postgres>, XAndY>, probe: &Probe, n: usize) {
+    run_until(relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() + probe.delivered_to("y").len() >= n
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn retention_gives_old_partitions_back_whole_and_new_events_go_on() {
+    let (db, outbox) = setup().await;
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let a = Uuid::new_v4();
+    // Events from before the conversion stay, in the first partition.
+    let before = publish(&outbox, a, 0..3).await;
+    outbox.partition_by_id(5).await.unwrap();
+    let kind: String = sqlx::query_scalar(
+        "SELECT relkind::text FROM pg_class WHERE oid = 'events.outbox'::regclass",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(kind, "p");
+    assert_eq!(partition_of(&db.pool, before[0]).await, "events.outbox_p0");
+    let mut after = publish(&outbox, a, 3..13).await;
+    // A purge makes partitions ahead of the ids (two), as the relay's do as it runs.
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    after.extend(publish(&outbox, a, 13..20).await);
+    assert_ne!(partition_of(&db.pool, after[0]).await, "events.outbox_p0");
+    assert_eq!(
+        partition_of(&db.pool, after[0]).await,
+        format!("events.outbox_p{}", after[0])
+    );
+    deliver(&relay, &probe, 40).await;
+    let expected: Vec<(Uuid, u32)> = (0..20).map(|seq| (a, seq)).collect();
+    assert_eq!(probe.delivered_to("x"), expected);
+    assert_eq!(probe.delivered_to("y"), expected);
+
+    assert_eq!(partition_of(&db.pool, after[10]).await, format!("events.outbox_p{}", after[10]));
+    let held = partitions(&db.pool).await;
+    let current = partition_of(&db.pool, *after.last().unwrap()).await;
+    outbox
+        .purge_published(Duration::ZERO, 500)
+        .await
+        .unwrap();
+    let left = partitions(&db.pool).await;
+    // The first partition and the three full ones went whole; the one still drawing ids (and
+    // the ones ahead) stay.
+    let names = |parts: &[(String, i64)]| parts.iter().map(|p| p.0.clone()).collect::<Vec<_>>();
+    assert!(names(&held).contains(&"outbox_p0".to_owned()), "{held:?}");
+    for full in [0, 5, 10] {
+        let gone = format!("outbox_p{}", after[full]);
+        assert!(names(&held).contains(&gone), "{held:?}");
+        assert!(!names(&left).contains(&gone), "{gone} is still there: {left:?}");
+    }
+    assert!(!names(&left).contains(&"outbox_p0".to_owned()), "{left:?}");
+    assert!(
+        names(&left).contains(&current.trim_start_matches("events.").to_owned()),
+        "{left:?}"
+    );
+    assert!(names(&left).contains(&"outbox_pdefault".to_owned()));
+    // Partitions are made ahead of the ids: two above the current one.
+    let ahead = left
+        .iter()
+        .filter(|(name, _)| {
+            name.strip_prefix("outbox_p")
+                .and_then(|lo| lo.parse::<i64>().ok())
+                .is_some_and(|lo| lo > *after.last().unwrap())
+        })
+        .count();
+    assert_eq!(ahead, 2, "{left:?}");
+
+    // Publishing and delivering go on, in order, across partitions made by the purge.
+    let more = publish(&outbox, a, 20..40).await;
+    deliver(&relay, &probe, 80).await;
+    let expected: Vec<(Uuid, u32)> = (0..40).map(|seq| (a, seq)).collect();
+    assert_eq!(probe.delivered_to("x"), expected);
+    assert_eq!(probe.delivered_to("y"), expected);
+    assert_ne!(partition_of(&db.pool, more[0]).await, "events.outbox_pdefault");
+}
+
+#[tokio::test]
+async fn a_partition_that_holds_a_dead_letter_or_an_undelivered_event_is_kept() {
+    let (db, outbox) = setup().await;
+    outbox.partition_by_id(5).await.unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // a's events fill the first partition, b's the second: b's first event is a dead letter
+    // for `x` (a permanent failure), a's third waits for a retry of `y` an hour away.
+    probe.fail("y", a, 2, [Fail::Transient]);
+    probe.fail("x", b, 0, [Fail::Permanent]);
+    let first = publish(&outbox, a, 0..5).await;
+    let second = publish(&outbox, b, 0..5).await;
+    let third = publish(&outbox, a, 5..10).await;
+    publish(&outbox, b, 5..6).await;
+    assert_ne!(
+        partition_of(&db.pool, first[0]).await,
+        partition_of(&db.pool, second[0]).await
+    );
+    assert_ne!(
+        partition_of(&db.pool, second[0]).await,
+        partition_of(&db.pool, third[0]).await
+    );
+    // Everything else is delivered: y's for a stop at 2 (the retry), x's for b at 0 (dead).
+    run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 10 && probe.delivered_to("y").len() == 2 + 6
+    })
+    .await;
+
+    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
+    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    assert!(
+        left.contains(&format!("outbox_p{}", first[0])),
+        "the undelivered event's partition went: {left:?}"
+    );
+    assert!(
+        left.contains(&format!("outbox_p{}", second[0])),
+        "the dead letter's partition went: {left:?}"
+    );
+    // Nothing of what is not done was lost: both go on once let go.
+    assert_eq!(
+        outbox
+            .requeue(&Requeue::Subscriber("x".to_owned()))
+            .await
+            .unwrap(),
+        1
+    );
+    sqlx::query("UPDATE events.outbox_deliveries SET next_retry_at = now()")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 16 && probe.delivered_to("y").len() == 16
+    })
+    .await;
+    let of = |subscriber: &str, aggregate: Uuid| -> Vec<u32> {
+        probe
+            .delivered_to(subscriber)
+            .into_iter()
+            .filter(|(agg, _)| *agg == aggregate)
+            .map(|(_, seq)| seq)
+            .collect()
+    };
+    assert_eq!(of("x", a), (0..10).collect::<Vec<_>>());
+    assert_eq!(of("y", a), (0..10).collect::<Vec<_>>());
+    assert_eq!(of("x", b), (0..6).collect::<Vec<_>>());
+    assert_eq!(of("y", b), (0..6).collect::<Vec<_>>());
+    // Now they go too.
+    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
+    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    assert!(!left.contains(&format!("outbox_p{}", first[0])), "{left:?}");
+    assert!(!left.contains(&format!("outbox_p{}", second[0])), "{left:?}");
+}
+
+#[tokio::test]
+async fn partitions_are_kept_while_their_events_are_younger_than_the_window() {
+    let (db, outbox) = setup().await;
+    outbox.partition_by_id(5).await.unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let a = Uuid::new_v4();
+    let ids = publish(&outbox, a, 0..12).await;
+    deliver(&relay, &probe, 24).await;
+    let holding = |parts: Vec<(String, i64)>| -> Vec<(String, i64)> {
+        parts.into_iter().filter(|(_, n)| *n > 0).collect()
+    };
+    let before = holding(partitions(&db.pool).await);
+    assert_eq!(before.len(), 3, "{before:?}");
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(holding(partitions(&db.pool).await), before);
+    // Published two hours ago: they go.
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    assert!(!left.contains(&format!("outbox_p{}", ids[0])), "{left:?}");
+}
+
+#[tokio::test]
+async fn events_beyond_the_partitions_made_ahead_are_taken_by_the_default_partition() {
+    let (db, outbox) = setup().await;
+    // Partitions of one event, two ahead: no purge runs while 10 are published.
+    outbox.partition_by_id(1).await.unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let a = Uuid::new_v4();
+    let ids = publish(&outbox, a, 0..10).await;
+    assert_eq!(
+        partition_of(&db.pool, ids[9]).await,
+        "events.outbox_pdefault"
+    );
+    deliver(&relay, &probe, 20).await;
+    let expected: Vec<(Uuid, u32)> = (0..10).map(|seq| (a, seq)).collect();
+    assert_eq!(probe.delivered_to("x"), expected);
+    // A purge makes partitions above the ids drawn; the next events go there.
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    let next = publish(&outbox, a, 10..11).await;
+    assert_ne!(
+        partition_of(&db.pool, next[0]).await,
+        "events.outbox_pdefault"
+    );
+}
+
+#[tokio::test]
+async fn converting_keeps_pending_events_in_order_and_publishers_go_on_meanwhile() {
+    let (db, outbox) = setup().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    publish(&outbox, a, 0..10).await;
+    // Publishers commit while the table is converted.
+    let publishers = {
+        let outbox = outbox.clone();
+        tokio::spawn(async move {
+            let b = Uuid::new_v4();
+            publish(&outbox, b, 0..200).await;
+            b
+        })
+    };
+    outbox.partition_by_id(50).await.unwrap();
+    // Again: only the size of new partitions changes.
+    outbox.partition_by_id(20).await.unwrap();
+    let b = publishers.await.unwrap();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    deliver(&relay, &probe, 420).await;
+    let of = |aggregate: Uuid| -> Vec<u32> {
+        probe
+            .delivered_to("x")
+            .into_iter()
+            .filter(|(agg, _)| *agg == aggregate)
+            .map(|(_, seq)| seq)
+            .collect()
+    };
+    assert_eq!(of(a), (0..10).collect::<Vec<_>>());
+    assert_eq!(of(b), (0..200).collect::<Vec<_>>());
+    let size: i64 = sqlx::query_scalar("SELECT events_per_partition FROM events.outbox_partitioning")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(size, 20);
+}
+
+#[tokio::test]
+async fn a_partition_size_out_of_range_is_refused_with_the_range() {
+    let (_db, outbox) = setup().await;
+    let error = outbox.partition_by_id(0).await.unwrap_err().to_string();
+    assert!(error.contains("events per partition") && error.contains("use 1 to"), "{error}");
+}
+
+#[tokio::test]
+async fn a_conversion_that_died_half_way_leaves_nothing_that_refuses_events() {
+    let (db, outbox) = setup().await;
+    let a = Uuid::new_v4();
+    publish(&outbox, a, 0..2).await;
+    // A conversion's first step, as if its process died right after: a check that ids stay
+    // below a bound (here two ids away).
+    let bound = last_event(&db.pool).await + 2;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER TABLE events.outbox ADD CONSTRAINT outbox_p0_ids CHECK (id < {bound}) NOT VALID"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    publish(&outbox, a, 2..3).await;
+    // The next purge drops it: events beyond the bound are taken.
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    publish(&outbox, a, 3..6).await;
+    // And a conversion then goes through.
+    outbox.partition_by_id(5).await.unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    deliver(&relay, &probe, 12).await;
+    let expected: Vec<(Uuid, u32)> = (0..6).map(|seq| (a, seq)).collect();
+    assert_eq!(probe.delivered_to("x"), expected);
+}
