@@ -95,6 +95,7 @@ struct Options {
     soak_minutes: u64,
     pressure_minutes: u64,
     retention: Option<u64>,
+    partition: Option<u64>,
     batch: Option<u32>,
     concurrency: Option<usize>,
     raw_batch: i64,
@@ -146,6 +147,8 @@ options:
   --pressure-minutes N  (5)
   --retention S         in pressure: keep published events S seconds (ours: the relay's
                         retention; raw: a purge beside the loop), not the default 30 days
+  --partition N         in pressure: ours' events table partitioned by id, N ids a
+                        partition (`Outbox::partition_by_id`)
   --batch N             the relay's batch size in handlers, writes, failures, transactional,
                         nats and the tuned drain (the default otherwise)
   --concurrency N       the relay's concurrency, in the same scenarios
@@ -171,6 +174,7 @@ fn options() -> Options {
         soak_minutes: 10,
         pressure_minutes: 5,
         retention: None,
+        partition: None,
         batch: None,
         concurrency: None,
         raw_batch: RAW_BATCH,
@@ -196,6 +200,7 @@ fn options() -> Options {
             "--soak-minutes" => options.soak_minutes = number("--soak-minutes"),
             "--pressure-minutes" => options.pressure_minutes = number("--pressure-minutes"),
             "--retention" => options.retention = Some(number("--retention")),
+            "--partition" => options.partition = Some(number("--partition")),
             "--batch" => options.batch = Some(number("--batch") as u32),
             "--concurrency" => options.concurrency = Some(number("--concurrency") as usize),
             "--raw-batch" => options.raw_batch = number("--raw-batch") as i64,
@@ -1123,7 +1128,14 @@ async fn main() {
             }
             "pressure" => {
                 let half = sustained_half(&options).await;
-                pressure::pressure(half, options.pressure_minutes, 2, options.retention).await;
+                pressure::pressure(
+                    half,
+                    options.pressure_minutes,
+                    2,
+                    options.retention,
+                    options.partition,
+                )
+                .await;
             }
             "soak" => {
                 let half = sustained_half(&options).await;

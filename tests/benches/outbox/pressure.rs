@@ -5,7 +5,9 @@
 //! tuples and sizes of the tables at the start, at the end of the pressure and after. The
 //! tables are vacuumed as autovacuum would (it cannot reclaim what the held snapshot may see).
 //! With a retention (`--retention S`), published events are deleted S seconds after their
-//! publication, on both sides, and the figures start once the table holds that much.
+//! publication, on both sides, and the figures start once the table holds that much. With
+//! `--partition N`, ours' events table is partitioned by id, N ids a partition: its retention
+//! then empties and drops whole partitions. Sizes and dead tuples count every partition.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,6 +36,7 @@ pub(crate) async fn pressure(
     pressure_minutes: u64,
     after_minutes: u64,
     retention: Option<u64>,
+    partition: Option<u64>,
 ) {
     let retention = retention.map(Duration::from_secs);
     println!(
@@ -44,8 +47,12 @@ pub(crate) async fn pressure(
             None => "published events kept (the default 30 days)".to_owned(),
         }
     );
+    if let Some(size) = partition {
+        println!("  ours: the events table partitioned by id, {size} ids a partition");
+    }
     for raw in [false, true] {
-        run(raw, rate, pressure_minutes, after_minutes, retention).await;
+        let partition = partition.filter(|_| !raw);
+        run(raw, rate, pressure_minutes, after_minutes, retention, partition).await;
     }
 }
 
@@ -55,9 +62,13 @@ async fn run(
     pressure_minutes: u64,
     after_minutes: u64,
     retention: Option<Duration>,
+    partition: Option<u64>,
 ) {
     let (_db, outbox, ids) = setup(1000).await;
     let pool = outbox.pool().clone();
+    if let Some(size) = partition {
+        outbox.partition_by_id(size).await.unwrap();
+    }
     sqlx::query("CREATE EXTENSION IF NOT EXISTS pgstattuple")
         .execute(&pool)
         .await
@@ -182,10 +193,13 @@ async fn measure(pool: &PgPool, meter: &Meter, window: u32, phase: &str) {
             .await
             .unwrap();
     // (With its indexes and TOAST, as in `report_tables`: when a vacuum gives space back.)
-    let size: i64 = sqlx::query_scalar("SELECT pg_total_relation_size('events.outbox')")
-        .fetch_one(pool)
-        .await
-        .unwrap();
+    let size: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT coalesce(sum(pg_total_relation_size(oid)), 0)::int8 FROM ({LEAVES}) AS leaves"
+    )))
+    .bind("events.outbox")
+    .fetch_one(pool)
+    .await
+    .unwrap();
     println!(
         "    {window:>6}  {phase:<8}  {offered:>9.0}  {delivered:>11.0}  {:>6.1}  {:>6.1}  {backlog:>7}  {:>9.1}",
         percentile(&latencies, 0.5).as_secs_f64() * 1000.0,
@@ -201,19 +215,36 @@ async fn last_id(pool: &PgPool) -> i64 {
         .unwrap()
 }
 
-/// Size (with indexes and TOAST) and dead tuples of each table.
+/// The tables that hold the rows of table $1: itself, or its partitions.
+const LEAVES: &str = "SELECT c.oid FROM pg_class AS c WHERE c.oid = $1::regclass AND c.relkind <> 'p'
+     UNION ALL SELECT i.inhrelid FROM pg_inherits AS i WHERE i.inhparent = $1::regclass";
+
+/// Size (with indexes and TOAST) and dead tuples of each table (of its partitions together).
 async fn report_tables(pool: &PgPool, when: &str) {
     let mut parts = Vec::new();
     for table in TABLES {
-        let (size, dead, dead_percent): (i64, i64, f64) = sqlx::query_as(
-            "SELECT pg_total_relation_size($1::regclass), s.dead_tuple_count,
-                    s.dead_tuple_percent
-             FROM pgstattuple($1::regclass) AS s",
-        )
-        .bind(table)
-        .fetch_one(pool)
-        .await
-        .unwrap();
+        let query = format!(
+            "SELECT coalesce(sum(pg_total_relation_size(leaves.oid)), 0)::int8,
+                    coalesce(sum(s.dead_tuple_count), 0)::int8,
+                    coalesce(100.0 * sum(s.dead_tuple_len) / nullif(sum(s.table_len), 0), 0)::float8
+             FROM ({LEAVES}) AS leaves, LATERAL pgstattuple(leaves.oid::regclass) AS s"
+        );
+        // A partition dropped between the list and its reading: read again.
+        let mut tries = 0;
+        let (size, dead, dead_percent): (i64, i64, f64) = loop {
+            match sqlx::query_as(sqlx::AssertSqlSafe(query.clone()))
+                .bind(table)
+                .fetch_one(pool)
+                .await
+            {
+                Ok(row) => break row,
+                Err(error) if tries < 5 => {
+                    tries += 1;
+                    println!("    (reading the tables again: {error})");
+                }
+                Err(error) => panic!("cannot read the tables: {error}"),
+            }
+        };
         parts.push(format!(
             "{} {:.1} MB, {dead} dead tuples ({dead_percent:.0}%)",
             table.trim_start_matches("events."),
