@@ -70,10 +70,13 @@ impl<R> Outbox<Postgres, R> {
     /// no longer has a foreign key from the deliveries (the relay never writes one without its
     /// event, and retention checks it before an event goes).
     ///
-    /// Size the partitions so that one holds a good share of the retention window (a tenth of
+    /// Size the partitions so that one holds a good share of the retention window (a third of
     /// it, say) and more than a purge interval of events: partitions are given back whole, so
-    /// the table holds the window plus up to one partition. Calling this again on a partitioned
-    /// table changes the size of the partitions made from then on.
+    /// the table holds the window plus up to one partition; and each partition, empty or not,
+    /// is in the plan of every statement that reads the table (the relay's claim is planned
+    /// again after a vacuum changes one): a few large partitions, not many small ones.
+    /// Calling this again on a partitioned table changes the size of the partitions made from
+    /// then on.
     ///
     /// PostgreSQL only; 12 or newer.
     ///
@@ -84,6 +87,7 @@ impl<R> Outbox<Postgres, R> {
     /// let outbox: Outbox<sqlx::Postgres, ()> = Outbox::new(pool);
     /// outbox.partition_by_id(1_000_000).await?;
     /// # Ok(()) }
+    /// # let _ = f;
     /// ```
     pub async fn partition_by_id(&self, events_per_partition: u64) -> Result<(), Error> {
         if !(1..=MOST_PER_PARTITION).contains(&events_per_partition) {
@@ -134,12 +138,13 @@ impl<'a> Names<'a> {
 
 /// Whether the events table is partitioned.
 async fn is_partitioned(conn: &mut PgConnection, n: &Names<'_>) -> Result<bool, sqlx::Error> {
-    let kind: Option<bool> =
-        sqlx::query_scalar("SELECT c.relkind = 'p' FROM pg_class AS c WHERE c.oid = to_regclass($1)")
-            .bind(&n.outbox)
-            .fetch_optional(&mut *conn)
-            .await?
-            .flatten();
+    let kind: Option<bool> = sqlx::query_scalar(
+        "SELECT c.relkind = 'p' FROM pg_class AS c WHERE c.oid = to_regclass($1)",
+    )
+    .bind(&n.outbox)
+    .fetch_optional(&mut *conn)
+    .await?
+    .flatten();
     Ok(kind == Some(true))
 }
 
@@ -183,20 +188,16 @@ fn leftover_check(names: &TableNames) -> String {
 /// ids beyond its bound), unless a conversion is at work (it holds the lock; the session that
 /// holds it may take it again).
 async fn drop_leftover_check(conn: &mut PgConnection, n: &Names<'_>) -> Result<(), sqlx::Error> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-        .bind(n.lock())
-        .fetch_one(&mut *tx)
-        .await?;
-    if !locked || is_partitioned(&mut tx, n).await? {
+    let Some(mut tx) = begin_step(conn, n).await? else {
+        return Ok(());
+    };
+    if is_partitioned(&mut tx, n).await? {
         return Ok(());
     }
     run(
-        &mut *tx,
+        &mut tx,
         format!(
-            "SET LOCAL lock_timeout = '{}ms';
-             ALTER TABLE {} DROP CONSTRAINT IF EXISTS {};",
-            LOCK_WAIT.as_millis(),
+            "ALTER TABLE {} DROP CONSTRAINT IF EXISTS {}",
             n.outbox,
             leftover_check(n.names)
         ),
@@ -205,7 +206,11 @@ async fn drop_leftover_check(conn: &mut PgConnection, n: &Names<'_>) -> Result<(
     tx.commit().await
 }
 
-async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Result<(), sqlx::Error> {
+async fn convert_locked(
+    conn: &mut PgConnection,
+    n: &Names<'_>,
+    size: i64,
+) -> Result<(), sqlx::Error> {
     let names = n.names;
     let check = leftover_check(names);
     let old = names.qualified("_p0");
@@ -213,7 +218,7 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
         let mut tx = sqlx::Connection::begin(&mut *conn).await?;
         if is_partitioned(&mut tx, n).await? {
             run(
-                &mut *tx,
+                &mut tx,
                 format!("UPDATE {} SET events_per_partition = {size}", n.settings),
             )
             .await?;
@@ -222,11 +227,9 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
         }
         // Every id drawn until the table is converted stays below the bound; rows written
         // from now on are checked at once, those before by the validation below.
-        let bound = last_id(&mut tx, n)
-            .await?
-            .saturating_add(CONVERSION_MARGIN);
+        let bound = last_id(&mut tx, n).await?.saturating_add(CONVERSION_MARGIN);
         run(
-            &mut *tx,
+            &mut tx,
             format!(
                 "ALTER TABLE {outbox} DROP CONSTRAINT IF EXISTS {check};
                  ALTER TABLE {outbox} ADD CONSTRAINT {check} CHECK (id < {bound}) NOT VALID;",
@@ -246,7 +249,7 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
 
     let mut tx = sqlx::Connection::begin(&mut *conn).await?;
     run(
-        &mut *tx,
+        &mut tx,
         format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", n.outbox),
     )
     .await?;
@@ -279,11 +282,10 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
     .fetch_all(&mut *tx)
     .await?;
     let old_text: String = {
-        run(&mut *tx, format!(
-            "ALTER TABLE {} RENAME TO {}",
-            n.outbox,
-            names.local("_p0")
-        ))
+        run(
+            &mut tx,
+            format!("ALTER TABLE {} RENAME TO {}", n.outbox, names.local("_p0")),
+        )
         .await?;
         // As `pg_get_indexdef` and `pg_get_triggerdef` print it: always with its schema.
         sqlx::query_scalar(
@@ -303,47 +305,51 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
     .fetch_all(&mut *tx)
     .await?;
     for (referring, constraint) in &foreign_keys {
-        run(&mut *tx, format!(
-            "ALTER TABLE {referring} DROP CONSTRAINT {constraint}"
-        ))
+        run(
+            &mut tx,
+            format!("ALTER TABLE {referring} DROP CONSTRAINT {constraint}"),
+        )
         .await?;
     }
     for (name, _) in &triggers {
-        run(&mut *tx, format!(
-            "DROP TRIGGER {} ON {old}",
-            quote(name)
-        ))
-        .await?;
+        run(&mut tx, format!("DROP TRIGGER {} ON {old}", quote(name))).await?;
     }
     // Free the indexes' names for the parent's.
     let mut definitions = Vec::new();
     for (i, (index, name, primary)) in indexes.iter().enumerate() {
         let temporary = names.local(&format!("_p0_index{i}"));
-        run(&mut *tx, format!("ALTER INDEX {index} RENAME TO {temporary}"))
-            .await?;
-        let definition: String = sqlx::query_scalar(
-            "SELECT pg_get_indexdef(to_regclass($1))",
+        run(
+            &mut tx,
+            format!("ALTER INDEX {index} RENAME TO {temporary}"),
         )
-        .bind(format!("{}.{temporary}", names.quoted_schema()))
-        .fetch_one(&mut *tx)
         .await?;
+        let definition: String = sqlx::query_scalar("SELECT pg_get_indexdef(to_regclass($1))")
+            .bind(format!("{}.{temporary}", names.quoted_schema()))
+            .fetch_one(&mut *tx)
+            .await?;
         definitions.push((name.clone(), definition, *primary));
     }
-    run(&mut *tx, format!(
+    run(
+        &mut tx,
+        format!(
         "CREATE TABLE {outbox} (LIKE {old} INCLUDING DEFAULTS INCLUDING STORAGE INCLUDING COMMENTS)
              PARTITION BY RANGE (id);
          ALTER SEQUENCE {id_seq} OWNED BY {outbox}.id;",
         outbox = n.outbox,
         id_seq = n.id_seq,
-    ))
+    ),
+    )
     .await?;
     for (name, definition, primary) in &definitions {
         if *primary {
-            run(&mut *tx, format!(
-                "ALTER TABLE {} ADD CONSTRAINT {} PRIMARY KEY (id)",
-                n.outbox,
-                quote(name)
-            ))
+            run(
+                &mut tx,
+                format!(
+                    "ALTER TABLE {} ADD CONSTRAINT {} PRIMARY KEY (id)",
+                    n.outbox,
+                    quote(name)
+                ),
+            )
             .await?;
         } else {
             // "CREATE INDEX <temporary> ON <old> USING ..." -> "... <name> ON <parent> USING".
@@ -357,7 +363,7 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
                 )));
             };
             run(
-                &mut *tx,
+                &mut tx,
                 format!("{create} {} ON {} USING {tail}", quote(name), n.outbox),
             )
             .await?;
@@ -370,29 +376,34 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
                 "cannot read the definition of trigger {name}: {definition}"
             )));
         };
-        run(&mut *tx, format!("{head} ON {} {tail}", n.outbox))
-            .await?;
+        run(&mut tx, format!("{head} ON {} {tail}", n.outbox)).await?;
     }
     // The check proves the old table's range: attaching it reads no row.
-    run(&mut *tx, format!(
-        "ALTER TABLE {outbox} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({bound});
+    run(
+        &mut tx,
+        format!(
+            "ALTER TABLE {outbox} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({bound});
          ALTER TABLE {old} DROP CONSTRAINT {check};
          CREATE TABLE {default} PARTITION OF {outbox} DEFAULT;
          CREATE TABLE {settings} (events_per_partition BIGINT NOT NULL);
          INSERT INTO {settings} VALUES ({size});",
-        outbox = n.outbox,
-        default = names.qualified("_pdefault"),
-        settings = n.settings,
-    ))
+            outbox = n.outbox,
+            default = names.qualified("_pdefault"),
+            settings = n.settings,
+        ),
+    )
     .await?;
     for k in 0..AHEAD {
         let lo = bound.saturating_add(k.saturating_mul(size));
-        run(&mut *tx, format!(
-            "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({lo}) TO ({})",
-            n.partition(lo),
-            n.outbox,
-            lo.saturating_add(size)
-        ))
+        run(
+            &mut tx,
+            format!(
+                "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({lo}) TO ({})",
+                n.partition(lo),
+                n.outbox,
+                lo.saturating_add(size)
+            ),
+        )
         .await?;
     }
     tx.commit().await?;
@@ -402,6 +413,29 @@ async fn convert_locked(conn: &mut PgConnection, n: &Names<'_>, size: i64) -> Re
 /// `"name"`, quoted.
 fn quote(name: &str) -> String {
     format!("\"{}\"", name.replace('"', "\"\""))
+}
+
+/// Begins a step of partition work on `conn`: a transaction that holds the partition workers'
+/// lock (`None` when another worker or a conversion holds it) and waits at most [`LOCK_WAIT`]
+/// for any other lock.
+async fn begin_step<'c>(
+    conn: &'c mut PgConnection,
+    n: &Names<'_>,
+) -> Result<Option<sqlx::Transaction<'c, Postgres>>, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
+    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
+        .bind(n.lock())
+        .fetch_one(&mut *tx)
+        .await?;
+    if !locked {
+        return Ok(None);
+    }
+    run(
+        &mut tx,
+        format!("SET LOCAL lock_timeout = '{}ms'", LOCK_WAIT.as_millis()),
+    )
+    .await?;
+    Ok(Some(tx))
 }
 
 /// Runs `text` (statements naming partitions: not kept as prepared statements).
@@ -457,9 +491,7 @@ async fn partitions(conn: &mut PgConnection, n: &Names<'_>) -> Result<Vec<Partit
     .await?;
     let mut found: Vec<Partition> = rows
         .into_iter()
-        .filter_map(|(name, bound)| {
-            range(&bound).map(|(lo, hi)| Partition { name, lo, hi })
-        })
+        .filter_map(|(name, bound)| range(&bound).map(|(lo, hi)| Partition { name, lo, hi }))
         .collect();
     found.sort_by_key(|p| p.lo);
     Ok(found)
@@ -500,19 +532,9 @@ pub(crate) async fn maintain(
     // Empty partitions: detached together at the end, each detach locks the table.
     let mut empties = Vec::new();
     for _ in 0..MOST_STEPS {
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-            .bind(n.lock())
-            .fetch_one(&mut *tx)
-            .await?;
-        if !locked {
+        let Some(mut tx) = begin_step(&mut conn, &n).await? else {
             break;
-        }
-        run(
-            &mut *tx,
-            format!("SET LOCAL lock_timeout = '{}ms'", LOCK_WAIT.as_millis()),
-        )
-        .await?;
+        };
         let last = last_id(&mut tx, &n).await?;
         let found = partitions(&mut tx, &n).await?;
         let size: i64 = sqlx::query_scalar(sql(format!(
@@ -620,18 +642,16 @@ fn next_step(found: &[Partition], last: i64, size: i64, looked_at: Option<i64>) 
 
 /// Makes the partition of ids `lo..hi`: an empty table, attached, which locks the events table
 /// only against other schema changes.
-async fn make(
-    tx: &mut PgConnection,
-    n: &Names<'_>,
-    lo: i64,
-    hi: i64,
-) -> Result<(), sqlx::Error> {
+async fn make(tx: &mut PgConnection, n: &Names<'_>, lo: i64, hi: i64) -> Result<(), sqlx::Error> {
     let partition = n.partition(lo);
-    run(&mut *tx, format!(
-        "CREATE TABLE {partition} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING STORAGE);
+    run(
+        &mut *tx,
+        format!(
+            "CREATE TABLE {partition} (LIKE {outbox} INCLUDING DEFAULTS INCLUDING STORAGE);
          ALTER TABLE {outbox} ATTACH PARTITION {partition} FOR VALUES FROM ({lo}) TO ({hi});",
-        outbox = n.outbox
-    ))
+            outbox = n.outbox
+        ),
+    )
     .await?;
     Ok(())
 }
@@ -645,12 +665,11 @@ async fn empty(
     keep: Duration,
 ) -> Result<Looked, sqlx::Error> {
     let name = &partition.name;
-    let holds_any: bool = sqlx::query_scalar(sql(format!(
-        "SELECT EXISTS (SELECT 1 FROM ONLY {name})"
-    )))
-    .persistent(false)
-    .fetch_one(&mut *tx)
-    .await?;
+    let holds_any: bool =
+        sqlx::query_scalar(sql(format!("SELECT EXISTS (SELECT 1 FROM ONLY {name})")))
+            .persistent(false)
+            .fetch_one(&mut *tx)
+            .await?;
     if !holds_any {
         return Ok(Looked::Empty);
     }
@@ -685,23 +704,16 @@ async fn drop_empty(
     n: &Names<'_>,
     empties: &[Partition],
 ) -> Result<u64, sqlx::Error> {
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-    let locked: bool = sqlx::query_scalar("SELECT pg_try_advisory_xact_lock($1)")
-        .bind(n.lock())
-        .fetch_one(&mut *tx)
-        .await?;
-    if !locked {
+    let Some(mut tx) = begin_step(conn, n).await? else {
         return Ok(0);
-    }
-    run(
-        &mut *tx,
-        format!("SET LOCAL lock_timeout = '{}ms'", LOCK_WAIT.as_millis()),
-    )
-    .await?;
+    };
     for partition in empties {
         run(
-            &mut *tx,
-            format!("ALTER TABLE {} DETACH PARTITION {}", n.outbox, partition.name),
+            &mut tx,
+            format!(
+                "ALTER TABLE {} DETACH PARTITION {}",
+                n.outbox, partition.name
+            ),
         )
         .await?;
     }
@@ -719,7 +731,7 @@ async fn drop_empty(
         }
     }
     let names: Vec<&str> = empties.iter().map(|p| p.name.as_str()).collect();
-    run(&mut *tx, format!("DROP TABLE {}", names.join(", "))).await?;
+    run(&mut tx, format!("DROP TABLE {}", names.join(", "))).await?;
     tx.commit().await?;
     Ok(empties.len() as u64)
 }
@@ -762,7 +774,7 @@ async fn may_go(
 fn is_lock_timeout(error: &sqlx::Error) -> bool {
     error
         .as_database_error()
-        .and_then(|e| e.code())
+        .and_then(sqlx::error::DatabaseError::code)
         .is_some_and(|code| code == "55P03")
 }
 

@@ -5,8 +5,8 @@
 use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig, RetryPolicy};
-use outbox_sqlx::Requeue;
 use outbox_sqlx::Outbox;
+use outbox_sqlx::Requeue;
 use outbox_tests::kit::{Fail, Ping, Probe, XAndY, run_until};
 use outbox_tests::pg::TestDb;
 use sqlx::{PgPool, Postgres};
@@ -19,6 +19,17 @@ async fn setup() -> (TestDb, TestOutbox) {
     let outbox = Outbox::new(db.pool.clone());
     outbox.migrate().await.expect("migrate");
     (db, outbox)
+}
+
+type TestRelay = Relay<outbox_sqlx::SqlStore<Postgres>, XAndY>;
+
+/// An outbox whose events table is partitioned, `size` ids a partition, and a relay on it.
+async fn partitioned(size: u64) -> (TestDb, TestOutbox, Probe, TestRelay) {
+    let (db, outbox) = setup().await;
+    outbox.partition_by_id(size).await.unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    (db, outbox, probe, relay)
 }
 
 fn config() -> RelayConfig {
@@ -68,6 +79,16 @@ async fn partitions(pool: &PgPool) -> Vec<(String, i64)> {
     counted
 }
 
+/// Purges every published event, and returns the names of the partitions left.
+async fn purge_now(outbox: &TestOutbox) -> Vec<String> {
+    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
+    partitions(outbox.pool())
+        .await
+        .into_iter()
+        .map(|p| p.0)
+        .collect()
+}
+
 /// The partition that holds event `id`.
 async fn partition_of(pool: &PgPool, id: i64) -> String {
     sqlx::query_scalar("SELECT tableoid::regclass::text FROM events.outbox WHERE id = $1")
@@ -77,8 +98,17 @@ async fn partition_of(pool: &PgPool, id: i64) -> String {
         .unwrap()
 }
 
-/// Delivers until `probe` saw `n` successful calls of `subscriber`.
-async fn deliver(relay: &Relay<outbox_sqlx::SqlStore<Postgres>, XAndY>, probe: &Probe, n: usize) {
+/// Delivers until both subscribers took `aggregate`'s events `0..n`, and checks they took them
+/// in order, and nothing else.
+async fn deliver_in_order(relay: &TestRelay, probe: &Probe, aggregate: Uuid, n: u32) {
+    deliver(relay, probe, 2 * n as usize).await;
+    let expected: Vec<(Uuid, u32)> = (0..n).map(|seq| (aggregate, seq)).collect();
+    assert_eq!(probe.delivered_to("x"), expected);
+    assert_eq!(probe.delivered_to("y"), expected);
+}
+
+/// Delivers until `probe` saw `n` successful calls in all.
+async fn deliver(relay: &TestRelay, probe: &Probe, n: usize) {
     run_until(relay, Duration::from_secs(20), || {
         probe.delivered_to("x").len() + probe.delivered_to("y").len() >= n
     })
@@ -114,18 +144,15 @@ async fn retention_gives_old_partitions_back_whole_and_new_events_go_on() {
         partition_of(&db.pool, after[0]).await,
         format!("events.outbox_p{}", after[0])
     );
-    deliver(&relay, &probe, 40).await;
-    let expected: Vec<(Uuid, u32)> = (0..20).map(|seq| (a, seq)).collect();
-    assert_eq!(probe.delivered_to("x"), expected);
-    assert_eq!(probe.delivered_to("y"), expected);
+    deliver_in_order(&relay, &probe, a, 20).await;
 
-    assert_eq!(partition_of(&db.pool, after[10]).await, format!("events.outbox_p{}", after[10]));
+    assert_eq!(
+        partition_of(&db.pool, after[10]).await,
+        format!("events.outbox_p{}", after[10])
+    );
     let held = partitions(&db.pool).await;
     let current = partition_of(&db.pool, *after.last().unwrap()).await;
-    outbox
-        .purge_published(Duration::ZERO, 500)
-        .await
-        .unwrap();
+    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
     let left = partitions(&db.pool).await;
     // The first partition and the three full ones went whole; the one still drawing ids (and
     // the ones ahead) stay.
@@ -134,7 +161,10 @@ async fn retention_gives_old_partitions_back_whole_and_new_events_go_on() {
     for full in [0, 5, 10] {
         let gone = format!("outbox_p{}", after[full]);
         assert!(names(&held).contains(&gone), "{held:?}");
-        assert!(!names(&left).contains(&gone), "{gone} is still there: {left:?}");
+        assert!(
+            !names(&left).contains(&gone),
+            "{gone} is still there: {left:?}"
+        );
     }
     assert!(!names(&left).contains(&"outbox_p0".to_owned()), "{left:?}");
     assert!(
@@ -155,19 +185,16 @@ async fn retention_gives_old_partitions_back_whole_and_new_events_go_on() {
 
     // Publishing and delivering go on, in order, across partitions made by the purge.
     let more = publish(&outbox, a, 20..40).await;
-    deliver(&relay, &probe, 80).await;
-    let expected: Vec<(Uuid, u32)> = (0..40).map(|seq| (a, seq)).collect();
-    assert_eq!(probe.delivered_to("x"), expected);
-    assert_eq!(probe.delivered_to("y"), expected);
-    assert_ne!(partition_of(&db.pool, more[0]).await, "events.outbox_pdefault");
+    deliver_in_order(&relay, &probe, a, 40).await;
+    assert_ne!(
+        partition_of(&db.pool, more[0]).await,
+        "events.outbox_pdefault"
+    );
 }
 
 #[tokio::test]
 async fn a_partition_that_holds_a_dead_letter_or_an_undelivered_event_is_kept() {
-    let (db, outbox) = setup().await;
-    outbox.partition_by_id(5).await.unwrap();
-    let probe = Probe::default();
-    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let (db, outbox, probe, relay) = partitioned(5).await;
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
     // a's events fill the first partition, b's the second: b's first event is a dead letter
     // for `x` (a permanent failure), a's third waits for a retry of `y` an hour away.
@@ -191,8 +218,7 @@ async fn a_partition_that_holds_a_dead_letter_or_an_undelivered_event_is_kept() 
     })
     .await;
 
-    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
-    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    let left = purge_now(&outbox).await;
     assert!(
         left.contains(&format!("outbox_p{}", first[0])),
         "the undelivered event's partition went: {left:?}"
@@ -230,18 +256,17 @@ async fn a_partition_that_holds_a_dead_letter_or_an_undelivered_event_is_kept() 
     assert_eq!(of("x", b), (0..6).collect::<Vec<_>>());
     assert_eq!(of("y", b), (0..6).collect::<Vec<_>>());
     // Now they go too.
-    outbox.purge_published(Duration::ZERO, 500).await.unwrap();
-    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    let left = purge_now(&outbox).await;
     assert!(!left.contains(&format!("outbox_p{}", first[0])), "{left:?}");
-    assert!(!left.contains(&format!("outbox_p{}", second[0])), "{left:?}");
+    assert!(
+        !left.contains(&format!("outbox_p{}", second[0])),
+        "{left:?}"
+    );
 }
 
 #[tokio::test]
 async fn partitions_are_kept_while_their_events_are_younger_than_the_window() {
-    let (db, outbox) = setup().await;
-    outbox.partition_by_id(5).await.unwrap();
-    let probe = Probe::default();
-    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let (db, outbox, probe, relay) = partitioned(5).await;
     let a = Uuid::new_v4();
     let ids = publish(&outbox, a, 0..12).await;
     deliver(&relay, &probe, 24).await;
@@ -264,26 +289,25 @@ async fn partitions_are_kept_while_their_events_are_younger_than_the_window() {
         .purge_published(Duration::from_secs(3600), 500)
         .await
         .unwrap();
-    let left: Vec<String> = partitions(&db.pool).await.into_iter().map(|p| p.0).collect();
+    let left: Vec<String> = partitions(&db.pool)
+        .await
+        .into_iter()
+        .map(|p| p.0)
+        .collect();
     assert!(!left.contains(&format!("outbox_p{}", ids[0])), "{left:?}");
 }
 
 #[tokio::test]
 async fn events_beyond_the_partitions_made_ahead_are_taken_by_the_default_partition() {
-    let (db, outbox) = setup().await;
     // Partitions of one event, two ahead: no purge runs while 10 are published.
-    outbox.partition_by_id(1).await.unwrap();
-    let probe = Probe::default();
-    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    let (db, outbox, probe, relay) = partitioned(1).await;
     let a = Uuid::new_v4();
     let ids = publish(&outbox, a, 0..10).await;
     assert_eq!(
         partition_of(&db.pool, ids[9]).await,
         "events.outbox_pdefault"
     );
-    deliver(&relay, &probe, 20).await;
-    let expected: Vec<(Uuid, u32)> = (0..10).map(|seq| (a, seq)).collect();
-    assert_eq!(probe.delivered_to("x"), expected);
+    deliver_in_order(&relay, &probe, a, 10).await;
     // A purge makes partitions above the ids drawn; the next events go there.
     outbox
         .purge_published(Duration::from_secs(3600), 500)
@@ -327,10 +351,11 @@ async fn converting_keeps_pending_events_in_order_and_publishers_go_on_meanwhile
     };
     assert_eq!(of(a), (0..10).collect::<Vec<_>>());
     assert_eq!(of(b), (0..200).collect::<Vec<_>>());
-    let size: i64 = sqlx::query_scalar("SELECT events_per_partition FROM events.outbox_partitioning")
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
+    let size: i64 =
+        sqlx::query_scalar("SELECT events_per_partition FROM events.outbox_partitioning")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
     assert_eq!(size, 20);
 }
 
@@ -338,7 +363,10 @@ async fn converting_keeps_pending_events_in_order_and_publishers_go_on_meanwhile
 async fn a_partition_size_out_of_range_is_refused_with_the_range() {
     let (_db, outbox) = setup().await;
     let error = outbox.partition_by_id(0).await.unwrap_err().to_string();
-    assert!(error.contains("events per partition") && error.contains("use 1 to"), "{error}");
+    assert!(
+        error.contains("events per partition") && error.contains("use 1 to"),
+        "{error}"
+    );
 }
 
 #[tokio::test]
@@ -366,7 +394,5 @@ async fn a_conversion_that_died_half_way_leaves_nothing_that_refuses_events() {
     outbox.partition_by_id(5).await.unwrap();
     let probe = Probe::default();
     let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
-    deliver(&relay, &probe, 12).await;
-    let expected: Vec<(Uuid, u32)> = (0..6).map(|seq| (a, seq)).collect();
-    assert_eq!(probe.delivered_to("x"), expected);
+    deliver_in_order(&relay, &probe, a, 6).await;
 }

@@ -52,7 +52,15 @@ pub(crate) async fn pressure(
     }
     for raw in [false, true] {
         let partition = partition.filter(|_| !raw);
-        run(raw, rate, pressure_minutes, after_minutes, retention, partition).await;
+        run(
+            raw,
+            rate,
+            pressure_minutes,
+            after_minutes,
+            retention,
+            partition,
+        )
+        .await;
     }
 }
 
@@ -216,7 +224,8 @@ async fn last_id(pool: &PgPool) -> i64 {
 }
 
 /// The tables that hold the rows of table $1: itself, or its partitions.
-const LEAVES: &str = "SELECT c.oid FROM pg_class AS c WHERE c.oid = $1::regclass AND c.relkind <> 'p'
+const LEAVES: &str =
+    "SELECT c.oid FROM pg_class AS c WHERE c.oid = $1::regclass AND c.relkind <> 'p'
      UNION ALL SELECT i.inhrelid FROM pg_inherits AS i WHERE i.inhparent = $1::regclass";
 
 /// Size (with indexes and TOAST) and dead tuples of each table (of its partitions together).
