@@ -7,7 +7,7 @@ use std::time::Duration;
 use outbox_core::{Relay, RelayConfig, RetryPolicy};
 use outbox_sqlx::Outbox;
 use outbox_sqlx::Requeue;
-use outbox_tests::kit::{Fail, Ping, Probe, XAndY, run_until};
+use outbox_tests::kit::{Fail, Ping, Probe, XAndY, run_until, wait_for};
 use outbox_tests::pg::TestDb;
 use sqlx::{PgPool, Postgres};
 use uuid::Uuid;
@@ -105,6 +105,16 @@ async fn deliver_in_order(relay: &TestRelay, probe: &Probe, aggregate: Uuid, n: 
     let expected: Vec<(Uuid, u32)> = (0..n).map(|seq| (aggregate, seq)).collect();
     assert_eq!(probe.delivered_to("x"), expected);
     assert_eq!(probe.delivered_to("y"), expected);
+}
+
+/// The events of `aggregate` that `subscriber` took, by number, in the order it took them.
+fn delivered(probe: &Probe, subscriber: &str, aggregate: Uuid) -> Vec<u32> {
+    probe
+        .delivered_to(subscriber)
+        .into_iter()
+        .filter(|(agg, _)| *agg == aggregate)
+        .map(|(_, seq)| seq)
+        .collect()
 }
 
 /// Delivers until `probe` saw `n` successful calls in all.
@@ -243,14 +253,7 @@ async fn a_partition_that_holds_a_dead_letter_or_an_undelivered_event_is_kept() 
         probe.delivered_to("x").len() == 16 && probe.delivered_to("y").len() == 16
     })
     .await;
-    let of = |subscriber: &str, aggregate: Uuid| -> Vec<u32> {
-        probe
-            .delivered_to(subscriber)
-            .into_iter()
-            .filter(|(agg, _)| *agg == aggregate)
-            .map(|(_, seq)| seq)
-            .collect()
-    };
+    let of = |subscriber: &str, aggregate: Uuid| delivered(&probe, subscriber, aggregate);
     assert_eq!(of("x", a), (0..10).collect::<Vec<_>>());
     assert_eq!(of("y", a), (0..10).collect::<Vec<_>>());
     assert_eq!(of("x", b), (0..6).collect::<Vec<_>>());
@@ -341,14 +344,7 @@ async fn converting_keeps_pending_events_in_order_and_publishers_go_on_meanwhile
     let b = publishers.await.unwrap();
     let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
     deliver(&relay, &probe, 420).await;
-    let of = |aggregate: Uuid| -> Vec<u32> {
-        probe
-            .delivered_to("x")
-            .into_iter()
-            .filter(|(agg, _)| *agg == aggregate)
-            .map(|(_, seq)| seq)
-            .collect()
-    };
+    let of = |aggregate: Uuid| delivered(&probe, "x", aggregate);
     assert_eq!(of(a), (0..10).collect::<Vec<_>>());
     assert_eq!(of(b), (0..200).collect::<Vec<_>>());
     let size: i64 =
@@ -357,6 +353,35 @@ async fn converting_keeps_pending_events_in_order_and_publishers_go_on_meanwhile
             .await
             .unwrap();
     assert_eq!(size, 20);
+}
+
+#[tokio::test]
+async fn a_relay_running_through_the_conversion_delivers_everything_in_order() {
+    let (_db, outbox) = setup().await;
+    let probe = Probe::default();
+    let relay = std::sync::Arc::new(outbox.relay(XAndY::new(&probe), config()).unwrap());
+    let stop = std::sync::Arc::new(tokio::sync::Notify::new());
+    let worker = tokio::spawn({
+        let (relay, stop) = (relay.clone(), stop.clone());
+        async move { relay.run(stop.notified()).await }
+    });
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    publish(&outbox, a, 0..50).await;
+    let publisher = {
+        let outbox = outbox.clone();
+        tokio::spawn(async move { publish(&outbox, b, 0..300).await })
+    };
+    outbox.partition_by_id(20).await.unwrap();
+    publish(&outbox, a, 50..100).await;
+    publisher.await.unwrap();
+    wait_for(|| probe.delivered_to("x").len() == 400 && probe.delivered_to("y").len() == 400).await;
+    stop.notify_one();
+    worker.await.unwrap();
+    for subscriber in ["x", "y"] {
+        let of = |aggregate: Uuid| delivered(&probe, subscriber, aggregate);
+        assert_eq!(of(a), (0..100).collect::<Vec<_>>(), "{subscriber}");
+        assert_eq!(of(b), (0..300).collect::<Vec<_>>(), "{subscriber}");
+    }
 }
 
 #[tokio::test]
