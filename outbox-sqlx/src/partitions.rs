@@ -46,6 +46,12 @@ pub(crate) const MOST_PER_PARTITION: u64 = 1 << 40;
 /// two, go to the default partition, where they do not stop the new partition's attachment.
 const SLACK: i64 = 1_000;
 
+/// How long the conversion waits for the events table's lock, each time; how many times it
+/// tries again, and after what pause, before it gives up.
+const TABLE_LOCK_WAIT: Duration = Duration::from_secs(1);
+const TABLE_LOCK_TRIES: u32 = 30;
+const TABLE_LOCK_PAUSE: Duration = Duration::from_millis(200);
+
 /// How many ids the table as it was (`<table>_p0`) takes beyond the last one drawn when the
 /// conversion began: the ids drawn while the conversion checks its rows, without blocking.
 const CONVERSION_MARGIN: i64 = 1_000_000;
@@ -64,7 +70,11 @@ impl<R> Outbox<Postgres, R> {
     /// Migrates first. The table keeps its name, its rows (in the first partition, `<table>_p0`)
     /// and its indexes; publishers and relays of any build go on using it. Without blocking
     /// them, the conversion checks every row once (an event id below a bound), then takes the
-    /// table's lock for a moment to rename and attach it. The partitions' own purges make the
+    /// table's lock for a moment to rename and attach it. It waits at most a second for that
+    /// lock each time, so that publishers do not queue behind it for longer while a long
+    /// transaction holds the table, and tries again; after about half a minute of such waits
+    /// it returns the lock-timeout error, changing nothing: run it again when the table is
+    /// quieter. The partitions' own purges make the
     /// next partitions ahead of the ids being drawn; events beyond them (no purge ran for a
     /// while, or retention is off) go to a default partition, never refused. The events table
     /// no longer has a foreign key from the deliveries (the relay never writes one without its
@@ -211,34 +221,28 @@ async fn convert_locked(
     n: &Names<'_>,
     size: i64,
 ) -> Result<(), sqlx::Error> {
-    let names = n.names;
-    let check = leftover_check(names);
-    let old = names.qualified("_p0");
-    let bound = {
-        let mut tx = sqlx::Connection::begin(&mut *conn).await?;
-        if is_partitioned(&mut tx, n).await? {
-            run(
-                &mut tx,
-                format!("UPDATE {} SET events_per_partition = {size}", n.settings),
-            )
-            .await?;
-            tx.commit().await?;
-            return Ok(());
+    let check = leftover_check(n.names);
+    // The two moments the table is locked wait at most `TABLE_LOCK_WAIT` each time (a long
+    // transaction on the table would otherwise queue every publisher behind the conversion).
+    let mut tries = 0;
+    let bound = loop {
+        let mut tx = begin_table_step(conn).await?;
+        match add_check(&mut tx, n, size).await {
+            Ok(bound) => {
+                tx.commit().await?;
+                match bound {
+                    Some(bound) => break bound,
+                    // Partitioned already: the size was set.
+                    None => return Ok(()),
+                }
+            }
+            Err(error) if is_lock_timeout(&error) && tries < TABLE_LOCK_TRIES => {
+                tx.rollback().await?;
+                tries += 1;
+                tokio::time::sleep(TABLE_LOCK_PAUSE).await;
+            }
+            Err(error) => return Err(error),
         }
-        // Every id drawn until the table is converted stays below the bound; rows written
-        // from now on are checked at once, those before by the validation below.
-        let bound = last_id(&mut tx, n).await?.saturating_add(CONVERSION_MARGIN);
-        run(
-            &mut tx,
-            format!(
-                "ALTER TABLE {outbox} DROP CONSTRAINT IF EXISTS {check};
-                 ALTER TABLE {outbox} ADD CONSTRAINT {check} CHECK (id < {bound}) NOT VALID;",
-                outbox = n.outbox
-            ),
-        )
-        .await?;
-        tx.commit().await?;
-        bound
     };
     // Reads every row, while publishers and relays go on.
     run(
@@ -246,15 +250,87 @@ async fn convert_locked(
         format!("ALTER TABLE {} VALIDATE CONSTRAINT {check}", n.outbox),
     )
     .await?;
+    let mut tries = 0;
+    loop {
+        let mut tx = begin_table_step(conn).await?;
+        match attach_old(&mut tx, n, size, bound).await {
+            Ok(()) => return tx.commit().await,
+            Err(error) if is_lock_timeout(&error) && tries < TABLE_LOCK_TRIES => {
+                tx.rollback().await?;
+                tries += 1;
+                tokio::time::sleep(TABLE_LOCK_PAUSE).await;
+            }
+            Err(error) => return Err(error),
+        }
+    }
+}
 
-    let mut tx = sqlx::Connection::begin(&mut *conn).await?;
+/// Begins a transaction of the conversion that waits at most [`TABLE_LOCK_WAIT`] for a lock.
+async fn begin_table_step(
+    conn: &mut PgConnection,
+) -> Result<sqlx::Transaction<'_, Postgres>, sqlx::Error> {
+    let mut tx = sqlx::Connection::begin(conn).await?;
     run(
         &mut tx,
+        format!(
+            "SET LOCAL lock_timeout = '{}ms'",
+            TABLE_LOCK_WAIT.as_millis()
+        ),
+    )
+    .await?;
+    Ok(tx)
+}
+
+/// The conversion's first step: a check that every id stays below a bound, not yet validated;
+/// returns the bound, or `None` (after setting the size of new partitions) if the table is
+/// partitioned already.
+async fn add_check(
+    tx: &mut PgConnection,
+    n: &Names<'_>,
+    size: i64,
+) -> Result<Option<i64>, sqlx::Error> {
+    let check = leftover_check(n.names);
+    if is_partitioned(tx, n).await? {
+        run(
+            &mut *tx,
+            format!("UPDATE {} SET events_per_partition = {size}", n.settings),
+        )
+        .await?;
+        return Ok(None);
+    }
+    // Every id drawn until the table is converted stays below the bound; rows written from
+    // now on are checked at once, those before by the validation that follows.
+    let bound = last_id(tx, n).await?.saturating_add(CONVERSION_MARGIN);
+    run(
+        &mut *tx,
+        format!(
+            "ALTER TABLE {outbox} DROP CONSTRAINT IF EXISTS {check};
+             ALTER TABLE {outbox} ADD CONSTRAINT {check} CHECK (id < {bound}) NOT VALID;",
+            outbox = n.outbox
+        ),
+    )
+    .await?;
+    Ok(Some(bound))
+}
+
+/// The conversion's last step, under the table's lock: the table as it was becomes the first
+/// partition of a new parent of the same name.
+async fn attach_old(
+    tx: &mut PgConnection,
+    n: &Names<'_>,
+    size: i64,
+    bound: i64,
+) -> Result<(), sqlx::Error> {
+    let names = n.names;
+    let check = leftover_check(names);
+    let old = names.qualified("_p0");
+    run(
+        &mut *tx,
         format!("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE", n.outbox),
     )
     .await?;
     // The ids drawn from now on go to the partitions after the old table.
-    let last = last_id(&mut tx, n).await?;
+    let last = last_id(tx, n).await?;
     if last < bound - 1 {
         sqlx::query("SELECT setval($1::regclass, $2)")
             .bind(&n.id_seq)
@@ -283,7 +359,7 @@ async fn convert_locked(
     .await?;
     let old_text: String = {
         run(
-            &mut tx,
+            &mut *tx,
             format!("ALTER TABLE {} RENAME TO {}", n.outbox, names.local("_p0")),
         )
         .await?;
@@ -306,20 +382,20 @@ async fn convert_locked(
     .await?;
     for (referring, constraint) in &foreign_keys {
         run(
-            &mut tx,
+            &mut *tx,
             format!("ALTER TABLE {referring} DROP CONSTRAINT {constraint}"),
         )
         .await?;
     }
     for (name, _) in &triggers {
-        run(&mut tx, format!("DROP TRIGGER {} ON {old}", quote(name))).await?;
+        run(&mut *tx, format!("DROP TRIGGER {} ON {old}", quote(name))).await?;
     }
     // Free the indexes' names for the parent's.
     let mut definitions = Vec::new();
     for (i, (index, name, primary)) in indexes.iter().enumerate() {
         let temporary = names.local(&format!("_p0_index{i}"));
         run(
-            &mut tx,
+            &mut *tx,
             format!("ALTER INDEX {index} RENAME TO {temporary}"),
         )
         .await?;
@@ -330,7 +406,7 @@ async fn convert_locked(
         definitions.push((name.clone(), definition, *primary));
     }
     run(
-        &mut tx,
+        &mut *tx,
         format!(
         "CREATE TABLE {outbox} (LIKE {old} INCLUDING DEFAULTS INCLUDING STORAGE INCLUDING COMMENTS)
              PARTITION BY RANGE (id);
@@ -343,7 +419,7 @@ async fn convert_locked(
     for (name, definition, primary) in &definitions {
         if *primary {
             run(
-                &mut tx,
+                &mut *tx,
                 format!(
                     "ALTER TABLE {} ADD CONSTRAINT {} PRIMARY KEY (id)",
                     n.outbox,
@@ -363,7 +439,7 @@ async fn convert_locked(
                 )));
             };
             run(
-                &mut tx,
+                &mut *tx,
                 format!("{create} {} ON {} USING {tail}", quote(name), n.outbox),
             )
             .await?;
@@ -376,11 +452,11 @@ async fn convert_locked(
                 "cannot read the definition of trigger {name}: {definition}"
             )));
         };
-        run(&mut tx, format!("{head} ON {} {tail}", n.outbox)).await?;
+        run(&mut *tx, format!("{head} ON {} {tail}", n.outbox)).await?;
     }
     // The check proves the old table's range: attaching it reads no row.
     run(
-        &mut tx,
+        &mut *tx,
         format!(
             "ALTER TABLE {outbox} ATTACH PARTITION {old} FOR VALUES FROM (MINVALUE) TO ({bound});
          ALTER TABLE {old} DROP CONSTRAINT {check};
@@ -396,7 +472,7 @@ async fn convert_locked(
     for k in 0..AHEAD {
         let lo = bound.saturating_add(k.saturating_mul(size));
         run(
-            &mut tx,
+            &mut *tx,
             format!(
                 "CREATE TABLE {} PARTITION OF {} FOR VALUES FROM ({lo}) TO ({})",
                 n.partition(lo),
@@ -406,7 +482,6 @@ async fn convert_locked(
         )
         .await?;
     }
-    tx.commit().await?;
     Ok(())
 }
 

@@ -385,6 +385,36 @@ async fn a_relay_running_through_the_conversion_delivers_everything_in_order() {
 }
 
 #[tokio::test]
+async fn a_conversion_waiting_for_a_long_transaction_does_not_stop_publishers() {
+    let (db, outbox) = setup().await;
+    let a = Uuid::new_v4();
+    publish(&outbox, a, 0..3).await;
+    // A long transaction that read the events table (a report, say) holds a lock on it.
+    let mut report = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM events.outbox")
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    let conversion = {
+        let outbox = outbox.clone();
+        tokio::spawn(async move { outbox.partition_by_id(5).await })
+    };
+    // Publishers go on meanwhile: each waits a second at most behind the conversion's turn.
+    for seq in 3..6 {
+        tokio::time::timeout(Duration::from_secs(20), publish(&outbox, a, seq..seq + 1))
+            .await
+            .expect("a publisher waited for the conversion");
+    }
+    // The conversion cannot have locked the table while the report holds it.
+    assert!(!conversion.is_finished());
+    report.rollback().await.unwrap();
+    conversion.await.unwrap().unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    deliver_in_order(&relay, &probe, a, 6).await;
+}
+
+#[tokio::test]
 async fn a_partition_size_out_of_range_is_refused_with_the_range() {
     let (_db, outbox) = setup().await;
     let error = outbox.partition_by_id(0).await.unwrap_err().to_string();
