@@ -120,6 +120,7 @@ impl<R> Outbox<Postgres, R> {
 struct Names<'a> {
     names: &'a TableNames,
     outbox: String,
+    deliveries: String,
     settings: String,
     id_seq: String,
 }
@@ -129,6 +130,7 @@ impl<'a> Names<'a> {
         Self {
             names,
             outbox: names.qualified(""),
+            deliveries: names.qualified("_deliveries"),
             settings: names.qualified("_partitioning"),
             id_seq: names.qualified("_id_seq"),
         }
@@ -579,7 +581,6 @@ async fn partitions(conn: &mut PgConnection, n: &Names<'_>) -> Result<Vec<Partit
 pub(crate) async fn maintain(
     pool: &PgPool,
     names: &TableNames,
-    deliveries: &str,
     keep: Duration,
 ) -> Result<Maintained, sqlx::Error> {
     let n = Names::new(names);
@@ -623,7 +624,7 @@ pub(crate) async fn maintain(
         };
         let outcome = match &step {
             Step::Make { lo, hi } => make(&mut tx, &n, *lo, *hi).await.map(|()| Looked::Made),
-            Step::Look(partition) => empty(&mut tx, partition, deliveries, keep).await,
+            Step::Look(partition) => empty(&mut tx, &n, partition, keep).await,
         };
         match outcome {
             Ok(looked) => {
@@ -735,8 +736,8 @@ async fn make(tx: &mut PgConnection, n: &Names<'_>, lo: i64, hi: i64) -> Result<
 /// published more than `keep` ago.
 async fn empty(
     tx: &mut PgConnection,
+    n: &Names<'_>,
     partition: &Partition,
-    deliveries: &str,
     keep: Duration,
 ) -> Result<Looked, sqlx::Error> {
     let name = &partition.name;
@@ -748,7 +749,7 @@ async fn empty(
     if !holds_any {
         return Ok(Looked::Empty);
     }
-    if !may_go(tx, name, partition, deliveries, keep).await? {
+    if !may_go(tx, name, partition, &n.deliveries, keep).await? {
         return Ok(Looked::Kept);
     }
     // Counted before the lock: statements whose plans cover every partition wait while it is
@@ -764,7 +765,7 @@ async fn empty(
         format!("LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"),
     )
     .await?;
-    if !may_go(tx, name, partition, deliveries, keep).await? {
+    if !may_go(tx, name, partition, &n.deliveries, keep).await? {
         return Ok(Looked::Kept);
     }
     run(&mut *tx, format!("TRUNCATE {name}")).await?;

@@ -98,7 +98,6 @@ pub struct PgQueries {
     lock_namespace: i32,
     /// The tables' names, for the work on partitions (`crate::partitions`).
     names: TableNames,
-    deliveries: String,
     /// No claim with a lower id is live: the claim reads the claims table from here, by index
     /// (rows deleted below it may be kept for a long time by a session holding an old
     /// snapshot). Claims are taken one at a time and their ids only grow, so the lowest live
@@ -493,7 +492,6 @@ SELECT live FROM live"#
         PgQueries {
             lock_namespace: names.lock_namespace(),
             names: names.clone(),
-            deliveries: deliveries.clone(),
             claims_floor: AtomicI64::new(0),
             events_floor: Mutex::default(),
             register: sql(format!(
@@ -1593,9 +1591,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         let mut emptied = 0;
         if after.is_none() {
             // A purge from the oldest: first, whole partitions (when the table has them).
-            match crate::partitions::maintain(pool, &queries.names, &queries.deliveries, older_than)
-                .await
-            {
+            match crate::partitions::maintain(pool, &queries.names, older_than).await {
                 Ok(done) => {
                     if done != crate::partitions::Maintained::default() {
                         tracing::debug!(?done, "outbox purge worked on partitions");
