@@ -41,4 +41,18 @@ pub enum Error {
         /// The last migration this build knows.
         known: i32,
     },
+    /// Other transactions held the outbox's events table for as long as an operation that must
+    /// lock it for a moment (partitioning it) was willing to wait; nothing was changed.
+    #[error(
+        "the outbox table `{schema}.{table}` stayed locked by other transactions for {waited_secs} s \
+         (a long report or migration?); nothing was changed: try again when they are done"
+    )]
+    TableBusy {
+        /// The schema.
+        schema: String,
+        /// The base table name.
+        table: String,
+        /// How long it waited in all, in seconds.
+        waited_secs: u64,
+    },
 }

@@ -73,7 +73,7 @@ impl<R> Outbox<Postgres, R> {
     /// table's lock for a moment to rename and attach it. It waits at most a second for that
     /// lock each time, so that publishers do not queue behind it for longer while a long
     /// transaction holds the table, and tries again; after about half a minute of such waits
-    /// it returns the lock-timeout error, changing nothing: run it again when the table is
+    /// it returns [`Error::TableBusy`], changing nothing: run it again when the table is
     /// quieter. The partitions' own purges make the
     /// next partitions ahead of the ids being drawn; events beyond them (no purge ran for a
     /// while, or retention is off) go to a default partition, never refused. The events table
@@ -111,8 +111,14 @@ impl<R> Outbox<Postgres, R> {
         }
         let size = i64::try_from(events_per_partition).unwrap_or(i64::MAX);
         self.migrate().await?;
-        convert(self.pool(), self.names(), size).await?;
-        Ok(())
+        match convert(self.pool(), self.names(), size).await {
+            Err(error) if is_lock_timeout(&error) => Err(Error::TableBusy {
+                schema: self.names().schema().to_owned(),
+                table: self.names().table().to_owned(),
+                waited_secs: (TABLE_LOCK_WAIT * (TABLE_LOCK_TRIES + 1)).as_secs(),
+            }),
+            converted => Ok(converted?),
+        }
     }
 }
 

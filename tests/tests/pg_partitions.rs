@@ -89,6 +89,25 @@ async fn purge_now(outbox: &TestOutbox) -> Vec<String> {
         .collect()
 }
 
+/// An outbox with three events of an aggregate, and a transaction that read its events table
+/// and stays open (a report), holding a lock on it.
+async fn with_a_report() -> (
+    TestDb,
+    TestOutbox,
+    Uuid,
+    sqlx::Transaction<'static, Postgres>,
+) {
+    let (db, outbox) = setup().await;
+    let a = Uuid::new_v4();
+    publish(&outbox, a, 0..3).await;
+    let mut report = db.pool.begin().await.unwrap();
+    sqlx::query("SELECT count(*) FROM events.outbox")
+        .execute(&mut *report)
+        .await
+        .unwrap();
+    (db, outbox, a, report)
+}
+
 /// The partition that holds event `id`.
 async fn partition_of(pool: &PgPool, id: i64) -> String {
     sqlx::query_scalar("SELECT tableoid::regclass::text FROM events.outbox WHERE id = $1")
@@ -386,15 +405,8 @@ async fn a_relay_running_through_the_conversion_delivers_everything_in_order() {
 
 #[tokio::test]
 async fn a_conversion_waiting_for_a_long_transaction_does_not_stop_publishers() {
-    let (db, outbox) = setup().await;
-    let a = Uuid::new_v4();
-    publish(&outbox, a, 0..3).await;
     // A long transaction that read the events table (a report, say) holds a lock on it.
-    let mut report = db.pool.begin().await.unwrap();
-    sqlx::query("SELECT count(*) FROM events.outbox")
-        .execute(&mut *report)
-        .await
-        .unwrap();
+    let (_db, outbox, a, report) = with_a_report().await;
     let conversion = {
         let outbox = outbox.clone();
         tokio::spawn(async move { outbox.partition_by_id(5).await })
@@ -409,6 +421,32 @@ async fn a_conversion_waiting_for_a_long_transaction_does_not_stop_publishers() 
     assert!(!conversion.is_finished());
     report.rollback().await.unwrap();
     conversion.await.unwrap().unwrap();
+    let probe = Probe::default();
+    let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
+    deliver_in_order(&relay, &probe, a, 6).await;
+}
+
+#[tokio::test]
+async fn a_conversion_that_cannot_lock_the_table_gives_up_saying_so_and_changes_nothing() {
+    // A report that reads the events table for longer than the conversion waits (about 31 s).
+    let (db, outbox, a, report) = with_a_report().await;
+    let error = outbox.partition_by_id(5).await.unwrap_err().to_string();
+    assert!(
+        error.contains("`events.outbox` stayed locked by other transactions for 31 s")
+            && error.contains("nothing was changed: try again"),
+        "{error}"
+    );
+    report.rollback().await.unwrap();
+    let kind: String = sqlx::query_scalar(
+        "SELECT relkind::text FROM pg_class WHERE oid = 'events.outbox'::regclass",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(kind, "r", "the table is as it was");
+    // Nothing left behind refuses events; a conversion then goes through.
+    publish(&outbox, a, 3..6).await;
+    outbox.partition_by_id(5).await.unwrap();
     let probe = Probe::default();
     let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
     deliver_in_order(&relay, &probe, a, 6).await;
