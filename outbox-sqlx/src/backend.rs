@@ -22,6 +22,11 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     #[doc(hidden)]
     fn queries(names: &TableNames) -> Self::Queries;
 
+    /// Lets go of the connections the queries keep of their own (`Outbox::close`); later
+    /// statements take connections as they need them.
+    #[doc(hidden)]
+    fn close(_queries: &Self::Queries) {}
+
     #[doc(hidden)]
     fn migrate(
         pool: &Pool<Self>,

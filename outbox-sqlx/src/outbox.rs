@@ -151,12 +151,15 @@ impl<DB: Backend, R> Outbox<DB, R> {
     /// A running relay ([`Relay::run`]) takes at most two of the pool's connections at a time,
     /// each for one statement or one short transaction: one claims the next batch (or renews
     /// its claim while handlers run) while the other records the last batch. It never holds a
-    /// connection while handlers run. On PostgreSQL the outbox also keeps one connection of its
-    /// own, outside the pool, to `LISTEN` for commits of other processes (none when
+    /// connection while handlers run. On PostgreSQL the claims run instead on one connection
+    /// the outbox keeps for them, outside the pool (taken from it and detached, so the pool
+    /// may open another; let go after 30 s unused): the claim's plan then survives from claim
+    /// to claim. The outbox also keeps one connection of its own, outside the pool, to
+    /// `LISTEN` for commits of other processes (none when
     /// [cross-process wake-ups](Self::set_cross_process_wakeups) are off), and briefly takes a
     /// pool connection to send `NOTIFY` after commits. A pool of one connection shared by the
     /// application, a relay and handlers works: they take turns. [`close`](Self::close) ends
-    /// the listener.
+    /// the listener and lets the claims' connection go.
     pub fn relay(
         &self,
         router: R,
@@ -509,13 +512,15 @@ impl<DB: Backend, R> Outbox<DB, R> {
 
     /// Ends what this outbox runs in the background: the connection on which its relays
     /// `LISTEN` for commits of other processes (a connection of its own, not one of the pool's)
-    /// and the task that sends this process's `NOTIFY`. Returns at once; the listener's
-    /// connection closes within moments. Dropping the last clone of an outbox does the same.
+    /// and the task that sends this process's `NOTIFY`; and closes the connection its relays
+    /// claim on (PostgreSQL). Returns at once; the listener's connection closes within
+    /// moments. Dropping the last clone of an outbox does the same.
     ///
     /// The pool is the application's and stays open: close it with `pool.close()` when nothing
     /// else uses it. Relays of this outbox still find new events by polling.
     pub fn close(&self) {
         self.inner.wakeups.close();
+        DB::close(&self.inner.queries);
     }
 
     pub(crate) fn wake_relay(&self) {
@@ -547,7 +552,7 @@ impl<DB: Backend> std::fmt::Debug for SqlStore<DB> {
 /// A store error, saying whether it was one connection that broke (reset, closed, or ended by
 /// the server: another connection may work at once) rather than the store being unreachable
 /// (refused, timed out, starting up, no connection to be had: worth backing off).
-fn store_error(error: sqlx::Error) -> StoreError {
+pub(crate) fn store_error(error: sqlx::Error) -> StoreError {
     use std::io::ErrorKind;
     let lost = match &error {
         sqlx::Error::Io(io) => matches!(

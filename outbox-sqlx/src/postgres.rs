@@ -12,7 +12,9 @@ use outbox_core::store::{
 use std::sync::{Mutex, PoisonError, Weak};
 
 use sqlx::postgres::{PgListener, PgPoolOptions, PgRow};
-use sqlx::{Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr, Transaction};
+use sqlx::{
+    Connection, Executor, PgConnection, PgExecutor, PgPool, Postgres, Row, SqlStr, Transaction,
+};
 use time::OffsetDateTime;
 use tokio::sync::{Notify, watch};
 use uuid::Uuid;
@@ -105,6 +107,8 @@ pub struct PgQueries {
     claims_floor: AtomicI64,
     /// Where the claim's scan of pending events starts.
     events_floor: Mutex<EventFloor>,
+    /// The connection claims run on (see [`Claimer`]).
+    claimer: Claimer,
     /// Registers a relay (see [`Backend::register`]).
     register: SqlStr,
     unregister: SqlStr,
@@ -155,6 +159,61 @@ pub struct PgQueries {
     published_within: SqlStr,
     skip_delivery: SqlStr,
     skip_event: SqlStr,
+}
+
+/// The connection an outbox's claims run on, kept between claims (taken from the pool and
+/// detached: it does not take one of the pool's connections away from the application).
+///
+/// The claim is one large statement, prepared once per connection; its generic plan is made
+/// again on a connection whenever a table it reads changes its statistics (a vacuum, an
+/// analyze). Run on the pool's connections, taken in turn, a claim found after every such
+/// change a connection whose plan was gone, each of them once: on a table partitioned by id,
+/// where planning the claim takes 15 ms or more, that made 1164 plans in 8 minutes of the
+/// pressure benchmark (issue 16, point 6; 147 on one connection). Claims run one at a time
+/// anyway (the claim lock): the connection is taken in turn.
+///
+/// A connection unused for [`CLAIMER_IDLE`] is let go and another taken from the pool
+/// (which checks it), so that a relay at rest does not claim on a connection the server or a
+/// proxy closed meanwhile; a claim that fails lets its connection go too, and so does
+/// [`Outbox::close`](crate::Outbox::close).
+#[derive(Debug, Default)]
+struct Claimer {
+    kept: tokio::sync::Mutex<Option<(PgConnection, std::time::Instant)>>,
+    closed: std::sync::atomic::AtomicBool,
+}
+
+/// How long the claims' connection may sit unused before it is let go.
+const CLAIMER_IDLE: Duration = Duration::from_secs(30);
+
+type ClaimerSlot<'a> = tokio::sync::MutexGuard<'a, Option<(PgConnection, std::time::Instant)>>;
+
+impl Claimer {
+    /// The claims' connection, out of its slot while it is used: a claim cancelled half way
+    /// drops it (the server rolls its transaction back) rather than leave it mid-statement.
+    /// Put back with [`Claimer::keep`] once it did its work; one claim at a time holds the
+    /// slot.
+    async fn take(&self, pool: &PgPool) -> Result<(ClaimerSlot<'_>, PgConnection), sqlx::Error> {
+        let mut slot = self.kept.lock().await;
+        let conn = match slot.take() {
+            Some((conn, used)) if used.elapsed() < CLAIMER_IDLE && !pool.is_closed() => conn,
+            _ => pool.acquire().await?.detach(),
+        };
+        Ok((slot, conn))
+    }
+
+    fn keep(&self, mut slot: ClaimerSlot<'_>, conn: PgConnection) {
+        if !self.closed.load(Relaxed) {
+            *slot = Some((conn, std::time::Instant::now()));
+        }
+    }
+
+    /// Lets the kept connection go, and every later one after its claim.
+    fn close(&self) {
+        self.closed.store(true, Relaxed);
+        if let Ok(mut slot) = self.kept.try_lock() {
+            slot.take();
+        }
+    }
 }
 
 /// The statements that begin a claim's transaction, sent in one round trip.
@@ -271,6 +330,10 @@ impl Backend for Postgres {
     type Queries = PgQueries;
 
     const CLAIMS_TAKE_OVER: bool = true;
+
+    fn close(queries: &PgQueries) {
+        queries.claimer.close();
+    }
 
     fn queries(names: &TableNames) -> PgQueries {
         let outbox = names.qualified("");
@@ -494,6 +557,7 @@ SELECT live FROM live"#
             names: names.clone(),
             claims_floor: AtomicI64::new(0),
             events_floor: Mutex::default(),
+            claimer: Claimer::default(),
             register: sql(format!(
                 r#"
 WITH gone AS (
@@ -1240,7 +1304,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 t.aggregates.iter().map(|(t, id)| (t.as_str(), *id))
             })
             .unzip();
-        let mut tx = pool.begin_with(queries.claim_begin.clone()).await?;
+        let (slot, mut conn) = queries.claimer.take(pool).await?;
+        let mut tx = conn.begin_with(queries.claim_begin.clone()).await?;
         #[cfg(feature = "_fault-injection")]
         crate::__fault_injection::claim_lock_held();
         let rows = sqlx::query(queries.claim.clone())
@@ -1259,6 +1324,8 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
+        // (On an error above the connection is dropped, not kept.)
+        queries.claimer.keep(slot, conn);
         let mut token = None;
         // Events and deliveries set aside or freed: the next claim may find work.
         let mut for_next = 0;
@@ -2073,6 +2140,87 @@ mod tests {
             .iter()
             .map(|p| blocks_read(p, relation))
             .sum::<f64>()
+    }
+
+    /// The session of the connection the claims' slot keeps, if any.
+    async fn kept_session(queries: &PgQueries) -> Option<i32> {
+        let mut slot = queries.claimer.kept.lock().await;
+        let (conn, _) = slot.as_mut()?;
+        Some(
+            sqlx::query_scalar("SELECT pg_backend_pid()")
+                .fetch_one(conn)
+                .await
+                .unwrap(),
+        )
+    }
+
+    /// Claims run on one connection, kept between them, while the pool hands its connections
+    /// out in turn (there, each connection's plan of the claim would be made again after every
+    /// vacuum); one whose claim failed, or that sat unused too long, is let go, and so is the
+    /// kept one when the outbox closes.
+    #[tokio::test]
+    async fn claims_run_on_one_connection_kept_between_them() {
+        let db = migrated().await;
+        let pool = PgPoolOptions::new()
+            .max_connections(4)
+            .connect(&db.url())
+            .await
+            .unwrap();
+        // The pool holds several idle connections.
+        let lend_all = async || {
+            let mut lent = Vec::new();
+            for _ in 0..4 {
+                lent.push(pool.acquire().await.unwrap());
+            }
+        };
+        lend_all().await;
+        let outbox = Outbox::<Postgres, ()>::new(pool.clone());
+        let queries = outbox.queries();
+        assert_eq!(kept_session(queries).await, None);
+        claim_ten(&pool, queries).await;
+        let first = kept_session(queries).await.expect("a connection is kept");
+        for _ in 0..5 {
+            claim_ten(&pool, queries).await;
+            assert_eq!(kept_session(queries).await, Some(first));
+        }
+        // The kept connection is not one of the pool's: the pool can still lend all four.
+        lend_all().await;
+
+        // Its session ends: the claim on it fails (the relay tries again at once, as after any
+        // broken connection) and lets it go; the next claim runs on another.
+        sqlx::query("SELECT pg_terminate_backend($1)")
+            .bind(first)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let error = Postgres::claim(
+            &pool,
+            queries,
+            10,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .expect_err("the kept connection's session is gone");
+        let error = crate::outbox::store_error(error);
+        assert!(error.is_connection_lost(), "{error}");
+        assert_eq!(kept_session(queries).await, None);
+        claim_ten(&pool, queries).await;
+        let second = kept_session(queries).await.expect("a connection is kept");
+        assert_ne!(second, first);
+
+        // Unused for longer than CLAIMER_IDLE: let go, another taken.
+        if let Some((_, used)) = queries.claimer.kept.lock().await.as_mut() {
+            *used -= CLAIMER_IDLE;
+        }
+        claim_ten(&pool, queries).await;
+        let third = kept_session(queries).await.expect("a connection is kept");
+        assert_ne!(third, second);
+
+        outbox.close();
+        assert_eq!(kept_session(queries).await, None);
+        claim_ten(&pool, queries).await;
+        assert_eq!(kept_session(queries).await, None, "none kept once closed");
     }
 
     /// Another relay's claim holds its events' aggregates back: their later events are not
