@@ -206,3 +206,22 @@ pub async fn publish_for_operators<B: outbox_sqlx::Backend>(
     tx.commit().await.unwrap();
     doomed
 }
+
+/// Waits until `query` (one boolean) answers true, at most `limit`; panics saying that `what`
+/// did not happen.
+pub async fn wait_until_true(
+    pool: &PgPool,
+    query: &'static str,
+    limit: std::time::Duration,
+    what: &str,
+) {
+    let deadline = tokio::time::Instant::now() + limit;
+    loop {
+        let done: bool = sqlx::query_scalar(query).fetch_one(pool).await.unwrap();
+        if done {
+            return;
+        }
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+    }
+}

@@ -79,6 +79,18 @@ async fn partitions(pool: &PgPool) -> Vec<(String, i64)> {
     counted
 }
 
+/// The tables of the events table's schema named as its partitions, attached or not.
+async fn tables_named_like_partitions(pool: &PgPool) -> Vec<String> {
+    sqlx::query_scalar(
+        "SELECT relname::text FROM pg_class
+         WHERE relnamespace = 'events'::regnamespace AND relkind = 'r'
+           AND relname ~ '^outbox_p([0-9]+|default)$' ORDER BY relname",
+    )
+    .fetch_all(pool)
+    .await
+    .unwrap()
+}
+
 /// Purges every published event, and returns the names of the partitions left.
 async fn purge_now(outbox: &TestOutbox) -> Vec<String> {
     outbox.purge_published(Duration::ZERO, 500).await.unwrap();
@@ -196,6 +208,8 @@ async fn retention_gives_old_partitions_back_whole_and_new_events_go_on() {
         );
     }
     assert!(!names(&left).contains(&"outbox_p0".to_owned()), "{left:?}");
+    // Gone, not only detached.
+    assert_eq!(tables_named_like_partitions(&db.pool).await, names(&left));
     assert!(
         names(&left).contains(&current.trim_start_matches("events.").to_owned()),
         "{left:?}"
@@ -488,4 +502,100 @@ async fn a_conversion_that_died_half_way_leaves_nothing_that_refuses_events() {
     let probe = Probe::default();
     let relay = outbox.relay(XAndY::new(&probe), config()).unwrap();
     deliver_in_order(&relay, &probe, a, 6).await;
+}
+
+#[tokio::test]
+async fn a_partition_left_detached_by_a_purge_that_died_is_dropped_by_the_next_one() {
+    let (db, outbox, probe, relay) = partitioned(5).await;
+    let a = Uuid::new_v4();
+    publish(&outbox, a, 0..12).await;
+    deliver_in_order(&relay, &probe, a, 12).await;
+    let ids = publish(&outbox, a, 12..13).await;
+    deliver_in_order(&relay, &probe, a, 13).await;
+    // A purge that died between its two transactions: a partition emptied and detached (with
+    // the mark `drop_empty` leaves on it), not dropped. And a table of the application's that
+    // happens to be named like a partition, empty.
+    let emptied = partition_of(&db.pool, ids[0] - 10).await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "TRUNCATE {emptied};
+         ALTER TABLE events.outbox DETACH PARTITION {emptied};
+         COMMENT ON TABLE {emptied} IS
+             'outbox: an empty partition, detached; the next purge drops it';
+         CREATE TABLE events.outbox_p777 (id int8)"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+    let named = tables_named_like_partitions(&db.pool).await;
+    let emptied = emptied.trim_start_matches("events.").to_owned();
+    assert!(named.contains(&emptied), "{named:?}");
+
+    // A purge that finds nothing to empty drops it all the same; the other table stays.
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    let named = tables_named_like_partitions(&db.pool).await;
+    assert!(!named.contains(&emptied), "{named:?}");
+    assert!(named.contains(&"outbox_p777".to_owned()), "{named:?}");
+    // Publishing and delivering go on.
+    publish(&outbox, a, 13..20).await;
+    deliver_in_order(&relay, &probe, a, 20).await;
+}
+
+/// A publisher that drew an id in a partition and commits while a purge looks at it: the
+/// purge waits for it before it looks (its event was not visible before), so the event is not
+/// emptied with its partition's published ones, and is delivered.
+#[tokio::test]
+async fn an_event_committed_while_its_partition_is_looked_at_is_not_emptied_with_it() {
+    let (db, outbox, probe, relay) = partitioned(5).await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let mut late = outbox.begin().await.unwrap();
+    late.publish(&Ping {
+        aggregate: a,
+        seq: 0,
+    })
+    .await
+    .unwrap();
+    // Others fill the rest of its partition and the next; all published.
+    publish(&outbox, b, 0..12).await;
+    deliver_in_order(&relay, &probe, b, 12).await;
+
+    let purge = tokio::spawn({
+        let outbox = outbox.clone();
+        async move { outbox.purge_published(Duration::ZERO, 500).await.unwrap() }
+    });
+    // The purge waits for the writers of the late event's partition: it commits then.
+    outbox_tests::pg::wait_until_true(
+        &db.pool,
+        "SELECT EXISTS (SELECT 1 FROM pg_stat_activity
+                        WHERE datname = current_database() AND pid <> pg_backend_pid()
+                          AND query LIKE '%virtualxid = ANY%')",
+        Duration::from_secs(20),
+        "the purge never waited for the partition's writers",
+    )
+    .await;
+    late.commit().await.unwrap();
+    purge.await.unwrap();
+    let id: i64 = sqlx::query_scalar("SELECT id FROM events.outbox WHERE aggregate_id = $1")
+        .bind(a)
+        .fetch_one(&db.pool)
+        .await
+        .expect("the late event is kept");
+    deliver(&relay, &probe, 2 * 13).await;
+    for subscriber in ["x", "y"] {
+        assert_eq!(delivered(&probe, subscriber, a), [0]);
+        assert_eq!(
+            delivered(&probe, subscriber, b),
+            (0..12).collect::<Vec<_>>()
+        );
+    }
+    // Once delivered, its partition goes.
+    let partition = partition_of(&db.pool, id).await;
+    purge_now(&outbox).await;
+    let named = tables_named_like_partitions(&db.pool).await;
+    assert!(
+        !named.contains(&partition.trim_start_matches("events.").to_owned()),
+        "{named:?}"
+    );
 }

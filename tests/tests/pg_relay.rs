@@ -170,24 +170,14 @@ async fn an_event_whose_id_was_drawn_before_claims_and_written_after_them_is_del
             .unwrap();
         }
     });
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    loop {
-        let waiting: bool = sqlx::query_scalar(
-            "SELECT EXISTS (SELECT 1 FROM pg_locks
-                            WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)",
-        )
-        .fetch_one(&db.pool)
-        .await
-        .unwrap();
-        if waiting {
-            break;
-        }
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the insert never reached the gate"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    outbox_tests::pg::wait_until_true(
+        &db.pool,
+        "SELECT EXISTS (SELECT 1 FROM pg_locks
+                        WHERE locktype = 'advisory' AND objid = 4242 AND NOT granted)",
+        Duration::from_secs(10),
+        "the insert never reached the gate",
+    )
+    .await;
 
     for seq in 2..=4 {
         publish_one(&outbox, other, seq).await;
