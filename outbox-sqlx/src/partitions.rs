@@ -688,7 +688,11 @@ pub(crate) async fn maintain(
         }
     }
     // Those detached now, and any a process that died left detached.
-    drop_detached(&mut conn, &n).await?;
+    match drop_detached(&mut conn, &n).await {
+        Ok(_) => {}
+        Err(error) if is_lock_timeout(&error) => {}
+        Err(error) => return Err(error),
+    }
     Ok(done)
 }
 
@@ -834,9 +838,9 @@ async fn empty(
 }
 
 /// Detaches the `empties` in one transaction (the table's lock is taken once, and held for
-/// the detaches alone: [`drop_detached`] drops them after); returns how many. An event may still arrive in
-/// one (an id drawn before the last, written late): each is detached only if it is still empty
-/// once detached, else none goes this time.
+/// the detaches alone: [`drop_detached`] drops them after); returns how many. An event may
+/// still arrive in one (an id drawn before the last, written late): each is detached only if
+/// it is still empty once detached, else none goes this time.
 async fn drop_empty(
     conn: &mut PgConnection,
     n: &Names<'_>,
