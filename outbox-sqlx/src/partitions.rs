@@ -802,7 +802,8 @@ async fn empty(
     // for while the partition is too young anyway: one probe of the published index.)
     if !old_enough(tx, name, keep).await?
         || !writers_gone(tx, n, name).await?
-        || !may_go(tx, name, partition, &n.deliveries, keep).await?
+        || !may_go(tx, name, keep).await?
+        || undelivered(tx, &n.deliveries, partition).await?
     {
         return Ok(Looked::Kept);
     }
@@ -820,17 +821,7 @@ async fn empty(
         format!("LOCK TABLE {name} IN ACCESS EXCLUSIVE MODE"),
     )
     .await?;
-    let undelivered: bool = sqlx::query_scalar(sql(format!(
-        "SELECT EXISTS (SELECT 1 FROM {} WHERE event_id >= coalesce($1, '-9223372036854775808'::int8)
-                                          AND event_id < $2)",
-        n.deliveries
-    )))
-    .persistent(false)
-    .bind(partition.lo)
-    .bind(partition.hi)
-    .fetch_one(&mut *tx)
-    .await?;
-    if undelivered {
+    if undelivered(tx, &n.deliveries, partition).await? {
         return Ok(Looked::Kept);
     }
     run(&mut *tx, format!("TRUNCATE {name}")).await?;
@@ -908,16 +899,10 @@ async fn drop_detached(conn: &mut PgConnection, n: &Names<'_>) -> Result<u64, sq
     Ok(detached.len() as u64)
 }
 
-/// Whether every event of `partition` is published, delivered and older than `keep`: read
-/// by its indexes (the unpublished ones are in the pending or the stalled index, the newest
-/// publication time at the end of the published index, the deliveries by event).
-async fn may_go(
-    tx: &mut PgConnection,
-    name: &str,
-    partition: &Partition,
-    deliveries: &str,
-    keep: Duration,
-) -> Result<bool, sqlx::Error> {
+/// Whether every event of the partition `name` is published, and published more than `keep`
+/// ago: read by its indexes (the unpublished ones are in the pending or the stalled index,
+/// the newest publication time at the end of the published index).
+async fn may_go(tx: &mut PgConnection, name: &str, keep: Duration) -> Result<bool, sqlx::Error> {
     sqlx::query_scalar(sql(format!(
         "SELECT NOT EXISTS (
                 SELECT 1 FROM ONLY {name}
@@ -929,13 +914,27 @@ async fn may_go(
                   OR held_by IS NOT NULL OR held_behind IS NOT NULL))
             AND coalesce((SELECT max(published_at) FROM ONLY {name}
                           WHERE published_at IS NOT NULL), '-infinity')
-                < now() - $1 * interval '1 second'
-            AND NOT EXISTS (
-                SELECT 1 FROM {deliveries}
-                WHERE event_id >= coalesce($2, '-9223372036854775808'::int8) AND event_id < $3)"
+                < now() - $1 * interval '1 second'"
     )))
     .persistent(false)
     .bind(seconds(keep))
+    .fetch_one(&mut *tx)
+    .await
+}
+
+/// Whether a delivery row names an event of `partition` (a subscriber has yet to receive it,
+/// or it is a dead letter): one probe of the deliveries' event index.
+async fn undelivered(
+    tx: &mut PgConnection,
+    deliveries: &str,
+    partition: &Partition,
+) -> Result<bool, sqlx::Error> {
+    sqlx::query_scalar(sql(format!(
+        "SELECT EXISTS (SELECT 1 FROM {deliveries}
+                        WHERE event_id >= coalesce($1, '-9223372036854775808'::int8)
+                          AND event_id < $2)"
+    )))
+    .persistent(false)
     .bind(partition.lo)
     .bind(partition.hi)
     .fetch_one(&mut *tx)
@@ -1069,18 +1068,11 @@ mod tests {
             next_step(&found, 115, 10, not_making),
             Some(Step::Look(found[0].clone()))
         );
-        assert_eq!(
-            next_step(
-                &found,
-                115,
-                10,
-                Progress {
-                    looked_at: Some(110),
-                    making: false
-                }
-            ),
-            None
-        );
+        let looked_at_all = Progress {
+            making: false,
+            ..looked_at(110)
+        };
+        assert_eq!(next_step(&found, 115, 10, looked_at_all), None);
     }
 
     #[test]
@@ -1090,7 +1082,7 @@ mod tests {
             partition(Some(100), 110),
             partition(Some(110), 120),
         ];
-        // Ahead: up to 4 partitions of 10 above id 105.
+        // Ahead: AHEAD partitions of 10 above id 105.
         assert_eq!(
             next_step(&found, 105, 10, Progress::default()),
             Some(Step::Make { lo: 120, hi: 130 })
