@@ -696,6 +696,32 @@ pub(crate) async fn maintain(
     Ok(done)
 }
 
+/// The ids whose events a purge leaves to their partition, to go with it whole: from the first
+/// partition (by id) whose newest publication is within `keep` to the end of the partitions
+/// made. Deleting a young partition's old events one by one first would gain no space (the
+/// partition goes whole soon after) and leave dead rows that every scan of it reads while a
+/// snapshot is held. What stays to delete one by one: the events of partitions past the window
+/// that cannot go whole (a dead letter, an event some subscriber still waits for) and those of
+/// the default partition. An empty range when the table is not partitioned.
+pub(crate) async fn left_to_partitions(
+    pool: &PgPool,
+    names: &TableNames,
+    keep: Duration,
+) -> Result<std::ops::Range<i64>, sqlx::Error> {
+    let n = Names::new(names);
+    let mut conn = pool.acquire().await?;
+    let found = partitions(&mut conn, &n).await?;
+    let Some(top) = found.iter().map(|p| p.hi).max() else {
+        return Ok(0..0);
+    };
+    for partition in &found {
+        if !old_enough(&mut conn, &partition.name, keep).await? {
+            return Ok(partition.lo.unwrap_or(i64::MIN)..top);
+        }
+    }
+    Ok(top..top)
+}
+
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Looked {

@@ -1086,6 +1086,9 @@ WITH examined AS MATERIALIZED (
           CASE WHEN $3::int8 IS NULL THEN '-infinity'::timestamptz
                ELSE timestamptz 'epoch' + $3::int8 * interval '1 microsecond' END,
           coalesce($4::int8, 0))
+      -- Not the ids $5..$6, left to go with their partitions whole (pruned: their indexes
+      -- are not read).
+      AND (o.id < $5 OR o.id >= $6)
     ORDER BY o.published_at, o.id
     LIMIT $2
 ),
@@ -1670,7 +1673,16 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
                 }
             }
         }
-        let mut step = purge_step(pool, queries, older_than, i64::from(batch_size), after).await?;
+        let whole = crate::partitions::left_to_partitions(pool, &queries.names, older_than).await?;
+        let mut step = purge_step(
+            pool,
+            queries,
+            older_than,
+            i64::from(batch_size),
+            after,
+            whole,
+        )
+        .await?;
         step.deleted += emptied;
         Ok(step)
     }
@@ -1931,6 +1943,7 @@ async fn purge_step<'c>(
     older_than: Duration,
     batch_size: i64,
     after: Option<PurgedUpTo>,
+    whole: std::ops::Range<i64>,
 ) -> Result<PurgeStep, sqlx::Error> {
     let (deleted, published_at, id): (i64, Option<i64>, Option<i64>) =
         sqlx::query_as(queries.purge_published.clone())
@@ -1938,6 +1951,8 @@ async fn purge_step<'c>(
             .bind(batch_size)
             .bind(after.map(|a| a.published_at))
             .bind(after.map(|a| a.id))
+            .bind(whole.start)
+            .bind(whole.end)
             .fetch_one(executor)
             .await?;
     Ok(PurgeStep {
@@ -3111,6 +3126,7 @@ mod tests {
             Duration::from_secs(86_400),
             PURGED + 1,
             None,
+            0..0,
         )
         .await
         .unwrap()
@@ -3205,6 +3221,7 @@ mod tests {
                 Duration::from_secs(86_400),
                 BATCH,
                 after,
+                0..0,
             )
             .await
             .unwrap();
@@ -3377,9 +3394,16 @@ mod tests {
         .await
         .unwrap();
         let queries = Postgres::queries(&TableNames::default());
-        let step = purge_step(&db.pool, &queries, Duration::from_secs(86_400), 1, None)
-            .await
-            .unwrap();
+        let step = purge_step(
+            &db.pool,
+            &queries,
+            Duration::from_secs(86_400),
+            1,
+            None,
+            0..0,
+        )
+        .await
+        .unwrap();
         assert_eq!(step.deleted, 1);
         let step = purge_step(
             &db.pool,
@@ -3387,6 +3411,7 @@ mod tests {
             Duration::from_secs(86_400),
             1,
             step.next,
+            0..0,
         )
         .await
         .unwrap();

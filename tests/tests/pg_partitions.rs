@@ -599,3 +599,93 @@ async fn an_event_committed_while_its_partition_is_looked_at_is_not_emptied_with
         "{named:?}"
     );
 }
+
+/// The events of a partition.
+async fn count_in(pool: &PgPool, partition: &str) -> i64 {
+    sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(*) FROM {partition}"
+    )))
+    .fetch_one(pool)
+    .await
+    .unwrap()
+}
+
+/// On a partitioned table a partition's old events wait to go with it, whole, while it is in
+/// its window (deleting them one by one first would only leave dead rows behind); where a
+/// partition cannot go whole, past its window but kept for a dead letter, its published events
+/// go one by one as on a table without partitions.
+#[tokio::test]
+async fn old_events_of_a_partition_in_its_window_wait_to_go_with_it_whole() {
+    let (db, outbox, probe, relay) = partitioned(5).await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // b's event is a dead letter for `x`; a's fill its partition and the next two.
+    probe.fail("x", b, 0, [Fail::Permanent]);
+    let mut first = publish(&outbox, b, 0..1).await;
+    first.extend(publish(&outbox, a, 0..4).await);
+    let second = publish(&outbox, a, 4..9).await;
+    let third = publish(&outbox, a, 9..11).await;
+    let (kept, young) = (
+        partition_of(&db.pool, first[0]).await,
+        partition_of(&db.pool, second[0]).await,
+    );
+    assert_eq!(partition_of(&db.pool, first[4]).await, kept);
+    assert_eq!(partition_of(&db.pool, second[4]).await, young);
+    assert_ne!(partition_of(&db.pool, third[0]).await, young);
+    run_until(&relay, Duration::from_secs(20), || {
+        probe.delivered_to("x").len() == 11 && probe.delivered_to("y").len() == 12
+    })
+    .await;
+    // The first partition and the first two events of the second were published two hours ago.
+    sqlx::query(
+        "UPDATE events.outbox SET published_at = now() - interval '2 hours'
+         WHERE id <= $1 AND published_at IS NOT NULL",
+    )
+    .bind(second[1])
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(
+        count_in(&db.pool, &young).await,
+        5,
+        "old events of a partition in its window were deleted one by one"
+    );
+    assert_eq!(
+        count_in(&db.pool, &kept).await,
+        1,
+        "a partition kept for its dead letter keeps its published events"
+    );
+    let dead: Vec<i64> = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("SELECT id FROM {kept}")))
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(dead, [first[0]]);
+}
+
+/// Events that went to the default partition (beyond the partitions made ahead) go one by one
+/// once past the window: it is never emptied whole.
+#[tokio::test]
+async fn old_events_of_the_default_partition_go_one_by_one() {
+    let (db, outbox, probe, relay) = partitioned(1).await;
+    let a = Uuid::new_v4();
+    let ids = publish(&outbox, a, 0..10).await;
+    assert_eq!(
+        partition_of(&db.pool, ids[9]).await,
+        "events.outbox_pdefault"
+    );
+    deliver_in_order(&relay, &probe, a, 10).await;
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(count_in(&db.pool, "events.outbox_pdefault").await, 0);
+    assert_eq!(count_in(&db.pool, "events.outbox").await, 0);
+}
