@@ -555,6 +555,15 @@ pub(crate) struct Maintained {
     pub events: u64,
     /// Empty partitions dropped.
     pub dropped: u64,
+    /// The ids (`start..end`) whose events a purge leaves to their partitions, to go whole:
+    /// from the first partition that is in its window (its newest publication within it) or
+    /// may go whole but could not yet (its writers not gone, a lock not granted in time), to
+    /// the last one made. Deleting their events one by one first would gain no space (the partition goes
+    /// soon after) and leave dead rows that every scan of it reads while a snapshot is held.
+    /// Below, the partitions kept for a dead letter or an event some subscriber still waits
+    /// for, whose published events go one by one; and the default partition's events. Empty
+    /// when the table is not partitioned.
+    pub whole: (i64, i64),
 }
 
 /// One partition: its first id (`None`: from the lowest) and the id after its last.
@@ -629,12 +638,15 @@ pub(crate) async fn maintain(
     let mut progress = Progress::default();
     // Empty partitions: detached together at the end, each detach locks the table.
     let mut empties = Vec::new();
+    // The first partition left to go whole (see `Maintained::whole`), and the partitions.
+    let mut whole_from = None;
+    let mut found = Vec::new();
     for _ in 0..MOST_STEPS {
         let Some(mut tx) = begin_step(&mut conn, &n).await? else {
             break;
         };
         let last = last_id(&mut tx, &n).await?;
-        let found = partitions(&mut tx, &n).await?;
+        found = partitions(&mut tx, &n).await?;
         let size: i64 = sqlx::query_scalar(sql(format!(
             "SELECT events_per_partition FROM {}",
             n.settings
@@ -664,14 +676,22 @@ pub(crate) async fn maintain(
                             empties.push(partition.clone());
                         }
                     }
-                    Looked::Kept => {}
+                    Looked::Held => {}
+                    Looked::Young | Looked::Busy => {
+                        if let Step::Look(partition) = &step {
+                            whole_from.get_or_insert(partition.lo.unwrap_or(i64::MIN));
+                        }
+                    }
                 }
             }
             // A lock not granted in time: the next purge tries again.
             Err(error) if is_lock_timeout(&error) => {
                 tx.rollback().await?;
-                if matches!(step, Step::Make { .. }) {
-                    progress.making = false;
+                match &step {
+                    Step::Make { .. } => progress.making = false,
+                    Step::Look(partition) => {
+                        whole_from.get_or_insert(partition.lo.unwrap_or(i64::MIN));
+                    }
                 }
             }
             Err(error) => return Err(error),
@@ -679,6 +699,27 @@ pub(crate) async fn maintain(
         if let Step::Look(partition) = &step {
             progress.looked_at = Some(partition.hi);
         }
+    }
+    if found.is_empty() {
+        // No step ran (another purge works on the partitions): all are left to go whole.
+        found = partitions(&mut conn, &n).await?;
+    }
+    if let Some(top) = found.iter().map(|p| p.hi).max() {
+        if whole_from.is_none() {
+            // Of those not looked at (ids still drawn in them, or the steps ran out), the
+            // first in its window: a partition that fills slower than the window does not keep
+            // its old events for ever.
+            for partition in found
+                .iter()
+                .filter(|p| progress.looked_at.is_none_or(|seen| p.hi > seen))
+            {
+                if !old_enough(&mut conn, &partition.name, keep).await? {
+                    whole_from = Some(partition.lo.unwrap_or(i64::MIN));
+                    break;
+                }
+            }
+        }
+        done.whole = (whole_from.unwrap_or(top).min(top), top);
     }
     if !empties.is_empty() {
         match drop_empty(&mut conn, &n, &empties).await {
@@ -696,39 +737,19 @@ pub(crate) async fn maintain(
     Ok(done)
 }
 
-/// The ids whose events a purge leaves to their partition, to go with it whole: from the first
-/// partition (by id) whose newest publication is within `keep` to the end of the partitions
-/// made. Deleting a young partition's old events one by one first would gain no space (the
-/// partition goes whole soon after) and leave dead rows that every scan of it reads while a
-/// snapshot is held. What stays to delete one by one: the events of partitions past the window
-/// that cannot go whole (a dead letter, an event some subscriber still waits for) and those of
-/// the default partition. An empty range when the table is not partitioned.
-pub(crate) async fn left_to_partitions(
-    pool: &PgPool,
-    names: &TableNames,
-    keep: Duration,
-) -> Result<std::ops::Range<i64>, sqlx::Error> {
-    let n = Names::new(names);
-    let mut conn = pool.acquire().await?;
-    let found = partitions(&mut conn, &n).await?;
-    let Some(top) = found.iter().map(|p| p.hi).max() else {
-        return Ok(0..0);
-    };
-    for partition in &found {
-        if !old_enough(&mut conn, &partition.name, keep).await? {
-            return Ok(partition.lo.unwrap_or(i64::MIN)..top);
-        }
-    }
-    Ok(top..top)
-}
-
 /// What a step did.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Looked {
     /// A partition made ahead.
     Made,
-    /// A partition whose events may not go yet, left as it is.
-    Kept,
+    /// A partition whose newest publication is within the window, left as it is.
+    Young,
+    /// A partition past its window whose events may go, but whose writers have not all ended:
+    /// the next purge looks again.
+    Busy,
+    /// A partition past its window kept for a dead letter, an event not yet published or one
+    /// some subscriber has yet to receive.
+    Held,
     /// A partition emptied, and the events it held.
     Emptied(u64),
     /// A partition found empty.
@@ -826,12 +847,14 @@ async fn empty(
     // Every event of the partition is final (committed or rolled back) once its writers are
     // gone: then the look below holds, and the one under the lock can be short. (Not waited
     // for while the partition is too young anyway: one probe of the published index.)
-    if !old_enough(tx, name, keep).await?
-        || !writers_gone(tx, n, name).await?
-        || !may_go(tx, name, keep).await?
-        || undelivered(tx, &n.deliveries, partition).await?
-    {
-        return Ok(Looked::Kept);
+    if !old_enough(tx, name, keep).await? {
+        return Ok(Looked::Young);
+    }
+    if !writers_gone(tx, n, name).await? {
+        return Ok(Looked::Busy);
+    }
+    if !may_go(tx, name, keep).await? || undelivered(tx, &n.deliveries, partition).await? {
+        return Ok(Looked::Held);
     }
     // Counted before the lock: statements whose plans cover every partition wait while it is
     // held.
@@ -848,7 +871,7 @@ async fn empty(
     )
     .await?;
     if undelivered(tx, &n.deliveries, partition).await? {
-        return Ok(Looked::Kept);
+        return Ok(Looked::Held);
     }
     run(&mut *tx, format!("TRUNCATE {name}")).await?;
     Ok(Looked::Emptied(u64::try_from(events).unwrap_or(0)))

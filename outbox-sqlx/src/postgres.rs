@@ -107,6 +107,9 @@ pub struct PgQueries {
     claims_floor: AtomicI64,
     /// Where the claim's scan of pending events starts.
     events_floor: Mutex<EventFloor>,
+    /// The ids whose events the purges of this round leave to their partitions
+    /// (`crate::partitions::Maintained::whole`), set when a round starts from the oldest.
+    purge_whole: Mutex<(i64, i64)>,
     /// The connection claims run on (see [`Claimer`]).
     claimer: Claimer,
     /// Registers a relay (see [`Backend::register`]).
@@ -557,6 +560,7 @@ SELECT live FROM live"#
             names: names.clone(),
             claims_floor: AtomicI64::new(0),
             events_floor: Mutex::default(),
+            purge_whole: Mutex::default(),
             claimer: Claimer::default(),
             register: sql(format!(
                 r#"
@@ -1661,26 +1665,37 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         let mut emptied = 0;
         if after.is_none() {
             // A purge from the oldest: first, whole partitions (when the table has them).
-            match crate::partitions::maintain(pool, &queries.names, older_than).await {
+            let whole = match crate::partitions::maintain(pool, &queries.names, older_than).await {
                 Ok(done) => {
                     if done != crate::partitions::Maintained::default() {
                         tracing::debug!(?done, "outbox purge worked on partitions");
                     }
                     emptied = done.events;
+                    done.whole
                 }
                 Err(error) => {
                     tracing::warn!(%error, "outbox purge cannot work on partitions");
+                    // Then every old event goes one by one, as without partitions.
+                    (0, 0)
                 }
-            }
+            };
+            *queries
+                .purge_whole
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = whole;
         }
-        let whole = crate::partitions::left_to_partitions(pool, &queries.names, older_than).await?;
+        // The round's, decided when it started from the oldest.
+        let (start, end) = *queries
+            .purge_whole
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let mut step = purge_step(
             pool,
             queries,
             older_than,
             i64::from(batch_size),
             after,
-            whole,
+            start..end,
         )
         .await?;
         step.deleted += emptied;

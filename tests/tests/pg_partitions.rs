@@ -689,3 +689,81 @@ async fn old_events_of_the_default_partition_go_one_by_one() {
     assert_eq!(count_in(&db.pool, "events.outbox_pdefault").await, 0);
     assert_eq!(count_in(&db.pool, "events.outbox").await, 0);
 }
+
+/// A partition past its window that waits to be emptied whole (here for a writer still in it)
+/// is left to go whole, not deleted one by one meanwhile.
+#[tokio::test]
+async fn a_partition_waiting_to_be_emptied_is_not_deleted_one_by_one_meanwhile() {
+    let (db, outbox, probe, relay) = partitioned(5).await;
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // A transaction drew an id in the first partition and has not ended.
+    let mut late = outbox.begin().await.unwrap();
+    late.publish(&Ping {
+        aggregate: a,
+        seq: 0,
+    })
+    .await
+    .unwrap();
+    let ids = publish(&outbox, b, 0..12).await;
+    deliver_in_order(&relay, &probe, b, 12).await;
+    let waiting = partition_of(&db.pool, ids[0]).await;
+    let before = count_in(&db.pool, &waiting).await;
+    assert!(before > 0);
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(
+        count_in(&db.pool, &waiting).await,
+        before,
+        "a partition waiting for its writer lost events one by one"
+    );
+    // Once the writer is gone and its event delivered, the partition goes whole.
+    late.commit().await.unwrap();
+    deliver(&relay, &probe, 2 * 13).await;
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    purge_now(&outbox).await;
+    let named = tables_named_like_partitions(&db.pool).await;
+    assert!(
+        !named.contains(&waiting.trim_start_matches("events.").to_owned()),
+        "{named:?}"
+    );
+}
+
+/// A partition that fills slower than the window (few events, large partitions) does not keep
+/// its old events for ever: past the window they go one by one.
+#[tokio::test]
+async fn old_events_of_a_partition_still_filling_go_one_by_one() {
+    let (db, outbox, probe, relay) = partitioned(1000).await;
+    let a = Uuid::new_v4();
+    let ids = publish(&outbox, a, 0..3).await;
+    deliver_in_order(&relay, &probe, a, 3).await;
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(&db.pool)
+        .await
+        .unwrap();
+    let filling = partition_of(&db.pool, ids[0]).await;
+    let purged = outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(purged, 3);
+    assert_eq!(count_in(&db.pool, &filling).await, 0);
+    // Events published since stay.
+    let more = publish(&outbox, a, 3..5).await;
+    deliver_in_order(&relay, &probe, a, 5).await;
+    outbox
+        .purge_published(Duration::from_secs(3600), 500)
+        .await
+        .unwrap();
+    assert_eq!(count_in(&db.pool, &filling).await, 2);
+    assert_eq!(partition_of(&db.pool, more[0]).await, filling);
+}
