@@ -164,6 +164,18 @@ pub struct PgQueries {
     skip_event: SqlStr,
 }
 
+impl PgQueries {
+    /// The floor of pending events and the count of releases it holds for (see
+    /// [`EventFloor`]): where claims, the status and the count of unroutable events start
+    /// reading pending events.
+    fn scan_from(&self) -> (i64, i64) {
+        self.events_floor
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .scan_from()
+    }
+}
+
 /// The connection an outbox's claims run on, kept between claims (taken from the pool and
 /// detached: it does not take one of the pool's connections away from the application).
 ///
@@ -324,6 +336,16 @@ impl EventFloor {
     }
 }
 
+/// The id a scan of pending events starts at: the floor `$floor` if the events put back below
+/// floors are still `$released` (see [`EventFloor`]), else the start. A scalar subquery.
+fn from_floor(released: &str, floor: u8, put_back: u8) -> String {
+    format!(
+        "(SELECT CASE WHEN (CASE WHEN r.is_called THEN r.last_value ELSE 0 END) = ${put_back}::int8
+                      THEN ${floor}::int8 ELSE 0 END
+          FROM {released} AS r)"
+    )
+}
+
 /// The first line of the text column `c`, as failure groups compare errors.
 fn first_line(c: &str) -> String {
     format!("split_part(coalesce({c}, ''), E'\\n', 1)")
@@ -348,6 +370,10 @@ impl Backend for Postgres {
         let relays = names.qualified("_relays");
         let requeues = names.qualified("_requeues");
         let released = names.qualified("_released");
+        // The relay's floor of pending events (`EventFloor`), read by the status: no pending
+        // event is below it.
+        let from_floor = from_floor(&released, 1, 2);
+        let from_floor_3 = self::from_floor(&released, 3, 4);
         let dialect = Dialect {
             outbox: &outbox,
             deliveries: &deliveries,
@@ -604,6 +630,7 @@ WITH events AS (
         SELECT occurred_at FROM {outbox}
         WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
           AND held_by IS NULL AND held_behind IS NULL AND event_type <> ALL($1::text[])
+          AND id >= {from_floor_3}
         UNION ALL
         SELECT occurred_at FROM {outbox}
         WHERE published_at IS NULL
@@ -1127,10 +1154,11 @@ SELECT (SELECT count(*) FROM deleted),
 -- Each count reads its own partial index (the conditions are those of the indexes): the
 -- published events a table keeps for retention are never read.
 WITH pending AS MATERIALIZED (
-    -- Pending events nothing holds (`pending_idx`).
+    -- Pending events nothing holds (`pending_idx`), from the relay's floor (none is below it).
     SELECT count(*) AS events, min(occurred_at) AS oldest FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
       AND held_by IS NULL AND held_behind IS NULL
+      AND id >= {from_floor}
 ),
 stalled AS MATERIALIZED (
     -- Dead, parked and held events (`stalled_idx`).
@@ -1288,11 +1316,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     ) -> Result<Batch, sqlx::Error> {
         // One claimer at a time: the transaction's first statements take the claim lock; the
         // claim statement then sees every claim and record committed before it was granted.
-        let (events_floor, released) = queries
-            .events_floor
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .scan_from();
+        let (events_floor, released) = queries.scan_from();
         // Claims taken over whole; (claim, type, id) of each other aggregate taken over, as
         // three arrays in step.
         let taken_whole: Vec<i64> = filter
@@ -1431,10 +1455,13 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         event_types: Vec<String>,
         subscribers: Vec<String>,
     ) -> Result<(u64, u64, Option<Duration>), sqlx::Error> {
+        let (floor, released) = queries.scan_from();
         let (events, deliveries, oldest): (i64, i64, Option<f64>) =
             sqlx::query_as(queries.unroutable.clone())
                 .bind(event_types)
                 .bind(subscribers)
+                .bind(floor)
+                .bind(released)
                 .fetch_one(pool)
                 .await?;
         Ok((
@@ -1934,8 +1961,11 @@ async fn status_in<'c>(
     queries: &PgQueries,
 ) -> Result<Status, sqlx::Error> {
     type Row = (i64, Option<f64>, i64, i64, i64, i64, i64, i64);
+    let (floor, released) = queries.scan_from();
     let (events, oldest, deliveries, dead, blocked, aggregates, held, behind_dead): Row =
         sqlx::query_as(queries.status.clone())
+            .bind(floor)
+            .bind(released)
             .fetch_one(executor)
             .await?;
     let mut status = Status::default();
@@ -2425,14 +2455,14 @@ mod tests {
         let mut conn = db.pool.acquire().await.unwrap();
         sqlx::raw_sql(AssertSqlSafe(format!(
             "SET plan_cache_mode = force_generic_plan;
-             PREPARE unroutable(text[], text[]) AS {}",
+             PREPARE unroutable(text[], text[], int8, int8) AS {}",
             queries.unroutable.as_str()
         )))
         .execute(&mut *conn)
         .await
         .unwrap();
         let explained: String =
-            sqlx::query("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE unroutable('{E}', '{}')")
+            sqlx::query("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE unroutable('{E}', '{}', 0, 0)")
                 .fetch_one(&mut *conn)
                 .await
                 .unwrap()
@@ -2544,9 +2574,10 @@ mod tests {
     /// since (vacuum can remove none): a claim that scanned pending events from the lowest id
     /// read them all, more with every batch, until the relay fell behind. The scan starts at a
     /// floor that follows the relay: after thousands of events published under the held
-    /// snapshot, a claim reads a few pages of the outbox.
+    /// snapshot, a claim reads a few pages of the outbox. So do the relay's status and its
+    /// count of unroutable events, read every status interval.
     #[tokio::test]
-    async fn a_claim_scans_from_a_floor_not_every_event_a_held_snapshot_keeps() {
+    async fn claims_and_the_status_scan_from_a_floor_not_every_event_a_held_snapshot_keeps() {
         const EVENTS: i64 = 20_000;
         let db = migrated().await;
         let queries = Postgres::queries(&TableNames::default());
@@ -2611,6 +2642,48 @@ mod tests {
         assert!(
             pages <= 40.0,
             "a claim read {pages} pages of the outbox ({EVENTS} published events kept): {plan:#}"
+        );
+
+        // The status counts the 10 (the claim above was rolled back), as does the count of
+        // events no relay routes; from the floor, the status reads a few pages.
+        let status = status_in(&db.pool, &queries).await.unwrap();
+        assert_eq!(status.pending_events, 10);
+        let (unroutable, _, _) =
+            Postgres::unroutable(&db.pool, &queries, vec!["Other".into()], vec![])
+                .await
+                .unwrap();
+        assert_eq!(unroutable, 10);
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "ANALYZE events.outbox; PREPARE status(int8, int8) AS {}",
+            queries.status.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        let (floor, released) = queries.scan_from();
+        let mut status_pages = async |floor: i64| {
+            let explained: String = sqlx::query(AssertSqlSafe(format!(
+                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE status({floor}, {released})"
+            )))
+            .fetch_one(&mut *conn)
+            .await
+            .unwrap()
+            .try_get_unchecked(0)
+            .unwrap();
+            let plan = serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone();
+            (blocks_read(&plan, "outbox"), plan)
+        };
+        let (from_floor, plan) = status_pages(floor).await;
+        assert!(
+            from_floor <= 40.0,
+            "the status read {from_floor} pages of the outbox ({EVENTS} published events kept): \
+             {plan:#}"
+        );
+        // What the floor spares it: the same status from the lowest id.
+        let (from_start, _) = status_pages(0).await;
+        assert!(
+            from_start >= 4.0 * from_floor.max(10.0),
+            "{from_start} pages from the start, {from_floor} from the floor"
         );
         held.execute("ROLLBACK").await.unwrap();
     }
