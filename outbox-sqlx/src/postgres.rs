@@ -2403,19 +2403,30 @@ mod tests {
             .await
             .unwrap();
         }
+        let plan = explain_execute(
+            &mut *conn,
+            &format!(
+                "claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
+                       {released}, '{{}}', '{{}}', '{{}}', '{{}}')"
+            ),
+        )
+        .await;
+        let end = if rollback { "ROLLBACK" } else { "COMMIT" };
+        conn.execute(end).await.unwrap();
+        plan
+    }
+
+    /// The plan of `EXECUTE {statement}`, run, with the buffers each node read.
+    async fn explain_execute(conn: &mut PgConnection, statement: &str) -> Value {
         // `json` is sent as its text; this crate does not enable sqlx's `json` feature.
         let explained: String = sqlx::query(AssertSqlSafe(format!(
-            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON)
-             EXECUTE claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
-                           {released}, '{{}}', '{{}}', '{{}}', '{{}}')"
+            "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE {statement}"
         )))
-        .fetch_one(&mut *conn)
+        .fetch_one(conn)
         .await
         .unwrap()
         .try_get_unchecked(0)
         .unwrap();
-        let end = if rollback { "ROLLBACK" } else { "COMMIT" };
-        conn.execute(end).await.unwrap();
         serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone()
     }
 
@@ -2461,14 +2472,7 @@ mod tests {
         .execute(&mut *conn)
         .await
         .unwrap();
-        let explained: String =
-            sqlx::query("EXPLAIN (ANALYZE, FORMAT JSON) EXECUTE unroutable('{E}', '{}', 0, 0)")
-                .fetch_one(&mut *conn)
-                .await
-                .unwrap()
-                .try_get_unchecked(0)
-                .unwrap();
-        let plan = serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone();
+        let plan = explain_execute(&mut conn, "unroutable('{E}', '{}', 0, 0)").await;
         let read = rows_read(&plan, "outbox");
         assert!(
             read <= 200.0,
@@ -2662,15 +2666,7 @@ mod tests {
         .unwrap();
         let (floor, released) = queries.scan_from();
         let mut status_pages = async |floor: i64| {
-            let explained: String = sqlx::query(AssertSqlSafe(format!(
-                "EXPLAIN (ANALYZE, BUFFERS, FORMAT JSON) EXECUTE status({floor}, {released})"
-            )))
-            .fetch_one(&mut *conn)
-            .await
-            .unwrap()
-            .try_get_unchecked(0)
-            .unwrap();
-            let plan = serde_json::from_str::<Value>(&explained).unwrap()[0]["Plan"].clone();
+            let plan = explain_execute(&mut conn, &format!("status({floor}, {released})")).await;
             (blocks_read(&plan, "outbox"), plan)
         };
         let (from_floor, plan) = status_pages(floor).await;

@@ -120,6 +120,25 @@ async fn with_a_report() -> (
     (db, outbox, a, report)
 }
 
+/// A transaction that published an event of `aggregate` (an id drawn in the partition being
+/// filled) and has not ended.
+async fn a_late_publisher(
+    outbox: &TestOutbox,
+    aggregate: Uuid,
+) -> outbox_sqlx::OutboxTx<'static, Postgres, XAndY> {
+    let mut late = outbox.begin().await.unwrap();
+    late.publish(&Ping { aggregate, seq: 0 }).await.unwrap();
+    late
+}
+
+/// Every published event was published two hours ago.
+async fn published_two_hours_ago(pool: &PgPool) {
+    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
+        .execute(pool)
+        .await
+        .unwrap();
+}
+
 /// The partition that holds event `id`.
 async fn partition_of(pool: &PgPool, id: i64) -> String {
     sqlx::query_scalar("SELECT tableoid::regclass::text FROM events.outbox WHERE id = $1")
@@ -317,10 +336,7 @@ async fn partitions_are_kept_while_their_events_are_younger_than_the_window() {
         .unwrap();
     assert_eq!(holding(partitions(&db.pool).await), before);
     // Published two hours ago: they go.
-    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    published_two_hours_ago(&db.pool).await;
     outbox
         .purge_published(Duration::from_secs(3600), 500)
         .await
@@ -550,13 +566,7 @@ async fn a_partition_left_detached_by_a_purge_that_died_is_dropped_by_the_next_o
 async fn an_event_committed_while_its_partition_is_looked_at_is_not_emptied_with_it() {
     let (db, outbox, probe, relay) = partitioned(5).await;
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
-    let mut late = outbox.begin().await.unwrap();
-    late.publish(&Ping {
-        aggregate: a,
-        seq: 0,
-    })
-    .await
-    .unwrap();
+    let late = a_late_publisher(&outbox, a).await;
     // Others fill the rest of its partition and the next; all published.
     publish(&outbox, b, 0..12).await;
     deliver_in_order(&relay, &probe, b, 12).await;
@@ -678,10 +688,7 @@ async fn old_events_of_the_default_partition_go_one_by_one() {
         "events.outbox_pdefault"
     );
     deliver_in_order(&relay, &probe, a, 10).await;
-    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    published_two_hours_ago(&db.pool).await;
     outbox
         .purge_published(Duration::from_secs(3600), 500)
         .await
@@ -697,22 +704,13 @@ async fn a_partition_waiting_to_be_emptied_is_not_deleted_one_by_one_meanwhile()
     let (db, outbox, probe, relay) = partitioned(5).await;
     let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
     // A transaction drew an id in the first partition and has not ended.
-    let mut late = outbox.begin().await.unwrap();
-    late.publish(&Ping {
-        aggregate: a,
-        seq: 0,
-    })
-    .await
-    .unwrap();
+    let late = a_late_publisher(&outbox, a).await;
     let ids = publish(&outbox, b, 0..12).await;
     deliver_in_order(&relay, &probe, b, 12).await;
     let waiting = partition_of(&db.pool, ids[0]).await;
     let before = count_in(&db.pool, &waiting).await;
     assert!(before > 0);
-    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    published_two_hours_ago(&db.pool).await;
 
     outbox
         .purge_published(Duration::from_secs(3600), 500)
@@ -726,10 +724,7 @@ async fn a_partition_waiting_to_be_emptied_is_not_deleted_one_by_one_meanwhile()
     // Once the writer is gone and its event delivered, the partition goes whole.
     late.commit().await.unwrap();
     deliver(&relay, &probe, 2 * 13).await;
-    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    published_two_hours_ago(&db.pool).await;
     purge_now(&outbox).await;
     let named = tables_named_like_partitions(&db.pool).await;
     assert!(
@@ -746,10 +741,7 @@ async fn old_events_of_a_partition_still_filling_go_one_by_one() {
     let a = Uuid::new_v4();
     let ids = publish(&outbox, a, 0..3).await;
     deliver_in_order(&relay, &probe, a, 3).await;
-    sqlx::query("UPDATE events.outbox SET published_at = now() - interval '2 hours'")
-        .execute(&db.pool)
-        .await
-        .unwrap();
+    published_two_hours_ago(&db.pool).await;
     let filling = partition_of(&db.pool, ids[0]).await;
     let purged = outbox
         .purge_published(Duration::from_secs(3600), 500)
