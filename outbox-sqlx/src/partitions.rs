@@ -558,11 +558,12 @@ pub(crate) struct Maintained {
     /// The ids (`start..end`) whose events a purge leaves to their partitions, to go whole:
     /// from the first partition that is in its window (its newest publication within it) or
     /// may go whole but could not yet (its writers not gone, a lock not granted in time), to
-    /// the last one made. Deleting their events one by one first would gain no space (the partition goes
-    /// soon after) and leave dead rows that every scan of it reads while a snapshot is held.
-    /// Below, the partitions kept for a dead letter or an event some subscriber still waits
-    /// for, whose published events go one by one; and the default partition's events. Empty
-    /// when the table is not partitioned.
+    /// the last one made. Deleting their events one by one first would gain no space (the
+    /// partition goes soon after) and leave dead rows that every scan of it reads while a
+    /// snapshot is held. Below it: partitions kept for a dead letter or an event some
+    /// subscriber still waits for, and a partition still filling whose newest publication is
+    /// past the window, whose published events go one by one; above and between the ranges,
+    /// the default partition's. Empty when the table is not partitioned.
     pub whole: (i64, i64),
 }
 
