@@ -370,10 +370,10 @@ impl Backend for Postgres {
         let relays = names.qualified("_relays");
         let requeues = names.qualified("_requeues");
         let released = names.qualified("_released");
-        // The relay's floor of pending events (`EventFloor`), read by the status: no pending
-        // event is below it.
-        let from_floor = from_floor(&released, 1, 2);
-        let from_floor_3 = self::from_floor(&released, 3, 4);
+        // Where the status and the count of unroutable events read pending events from: the
+        // claim's floor (`EventFloor`), bound as their first and last two parameters.
+        let status_floor = from_floor(&released, 1, 2);
+        let unroutable_floor = from_floor(&released, 3, 4);
         let dialect = Dialect {
             outbox: &outbox,
             deliveries: &deliveries,
@@ -630,7 +630,7 @@ WITH events AS (
         SELECT occurred_at FROM {outbox}
         WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
           AND held_by IS NULL AND held_behind IS NULL AND event_type <> ALL($1::text[])
-          AND id >= {from_floor_3}
+          AND id >= {unroutable_floor}
         UNION ALL
         SELECT occurred_at FROM {outbox}
         WHERE published_at IS NULL
@@ -1158,7 +1158,7 @@ WITH pending AS MATERIALIZED (
     SELECT count(*) AS events, min(occurred_at) AS oldest FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
       AND held_by IS NULL AND held_behind IS NULL
-      AND id >= {from_floor}
+      AND id >= {status_floor}
 ),
 stalled AS MATERIALIZED (
     -- Dead, parked and held events (`stalled_idx`).
