@@ -576,6 +576,13 @@ struct Partition {
     hi: i64,
 }
 
+impl Partition {
+    /// Its first id; the lowest there is for the partition from the lowest.
+    fn first_id(&self) -> i64 {
+        self.lo.unwrap_or(i64::MIN)
+    }
+}
+
 /// The range of a partition from `pg_get_expr` of its bound; `None` for the default partition
 /// (or a bound this code did not make).
 fn range(bound: &str) -> Option<(Option<i64>, i64)> {
@@ -681,7 +688,7 @@ pub(crate) async fn maintain(
                     Looked::Held => {}
                     Looked::Young | Looked::Busy => {
                         if let Step::Look(partition) = &step {
-                            whole_from.get_or_insert(partition.lo.unwrap_or(i64::MIN));
+                            whole_from.get_or_insert(partition.first_id());
                         }
                     }
                 }
@@ -692,7 +699,7 @@ pub(crate) async fn maintain(
                 match &step {
                     Step::Make { .. } => progress.making = false,
                     Step::Look(partition) => {
-                        whole_from.get_or_insert(partition.lo.unwrap_or(i64::MIN));
+                        whole_from.get_or_insert(partition.first_id());
                     }
                 }
             }
@@ -716,7 +723,7 @@ pub(crate) async fn maintain(
                 .filter(|p| progress.looked_at.is_none_or(|seen| p.hi > seen))
             {
                 if !old_enough(&mut conn, &partition.name, keep).await? {
-                    whole_from = Some(partition.lo.unwrap_or(i64::MIN));
+                    whole_from = Some(partition.first_id());
                     break;
                 }
             }
