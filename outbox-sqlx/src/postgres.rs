@@ -151,6 +151,8 @@ pub struct PgQueries {
     record_begin: SqlStr,
     /// Begins a record that writes no deliveries.
     settle_begin: SqlStr,
+    /// Begins a step of a purge.
+    purge_begin: SqlStr,
     /// Locks (subscriber, aggregate) keys of deliveries, in one order.
     lock_keys: SqlStr,
     /// Locks the key of one delivery.
@@ -266,12 +268,13 @@ SELECT set_config('synchronous_commit', 'off', true),
     )
 }
 
-/// The planner settings of a record's transaction: no sequential scans, as for the claim
-/// ([`claim_begin`]). A record reads the events it names by index; its statements are prepared
-/// once per pooled connection and their generic plans kept until a table they read changes,
-/// and a plan made while a partition was empty as a vacuum left it would scan that partition
-/// whole at every record once events filled it.
-const RECORD_PLANNER: &str = "SET LOCAL enable_seqscan = off";
+/// The planner settings of the transactions of a record and of a purge's step: no sequential
+/// scans, as for the claim ([`claim_begin`]). A record reads the events it names by index, a
+/// purge the old published events; their statements are prepared once per pooled connection
+/// and their generic plans kept until a table they read changes, and a plan made while a
+/// partition was empty as a vacuum left it would scan that partition whole at every record
+/// (or step) once events filled it.
+const NO_SEQSCAN: &str = "SET LOCAL enable_seqscan = off";
 
 /// How long a claimer waits for the claim lock before it gives up and tries again.
 const LOCK_TIMEOUT: &str = "3s";
@@ -666,9 +669,10 @@ FROM events AS e, deliveries AS d"#
             record_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
-                 {RECORD_PLANNER}"
+                 {NO_SEQSCAN}"
             )),
-            settle_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {RECORD_PLANNER}")),
+            settle_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {NO_SEQSCAN}")),
+            purge_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {NO_SEQSCAN}")),
             lock_keys: sql(format!(
                 r#"
 SELECT count(pg_advisory_xact_lock({keys_lock}, k)) FROM (
@@ -1148,7 +1152,8 @@ doomed AS (
     FOR UPDATE SKIP LOCKED
 ),
 deleted AS (
-    DELETE FROM {outbox} WHERE id IN (SELECT id FROM doomed) RETURNING 1
+    -- (An array, as above: a lookup of each id, whatever the plan believes the table holds.)
+    DELETE FROM {outbox} WHERE id = ANY(ARRAY(SELECT d.id FROM doomed AS d)) RETURNING 1
 ),
 last AS (
     SELECT e.published_at, e.id FROM examined AS e
@@ -1737,8 +1742,9 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .purge_whole
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
+        let mut tx = pool.begin_with(queries.purge_begin.clone()).await?;
         let mut step = purge_step(
-            pool,
+            &mut *tx,
             queries,
             older_than,
             i64::from(batch_size),
@@ -1746,6 +1752,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             start..end,
         )
         .await?;
+        tx.commit().await?;
         step.deleted += emptied;
         Ok(step)
     }
@@ -2631,6 +2638,76 @@ mod tests {
         assert!(
             read.iter().all(|&(_, rows)| rows <= 100.0),
             "rows of the partitions ({PUBLISHED} events kept) each record read: {read:?}"
+        );
+    }
+
+    /// A purge's step is prepared once per pooled connection too: planned while a partition
+    /// was empty as a vacuum left it, it read every event of that partition, young ones
+    /// included, at each step once events filled it (60 030 rows read to delete 10 beside
+    /// 20 000 young events; with sequential scans off, its delete still joined them all, 20 030,
+    /// until it looked up its ids as an array). It reads the old events by index, whatever a
+    /// partition held when its plan was made, in a transaction begun as the purge begins it.
+    #[tokio::test]
+    async fn a_purge_planned_while_a_partition_was_empty_reads_only_old_events_once_it_fills() {
+        const YOUNG: i64 = 20_000;
+        let db = migrated().await;
+        Outbox::<Postgres, ()>::new(db.pool.clone())
+            .partition_by_id(100_000)
+            .await
+            .unwrap();
+        sqlx::raw_sql("VACUUM events.outbox")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let mut conn = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "PREPARE purge(float8, int8, int8, int8, int8, int8) AS {}",
+            queries.purge_published.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        // A minute's retention, 500 a step, from the oldest, no partition left whole.
+        let step = "purge(60, 500, NULL, NULL, 0, 0)";
+        for _ in 0..8 {
+            conn.execute(sqlx::raw_sql(queries.purge_begin.clone()))
+                .await
+                .unwrap();
+            sqlx::raw_sql(AssertSqlSafe(format!("EXECUTE {step}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            conn.execute("COMMIT").await.unwrap();
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() - interval '1 day'
+             FROM generate_series(1, 10);
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+             FROM generate_series(1, {YOUNG})"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        conn.execute(sqlx::raw_sql(queries.purge_begin.clone()))
+            .await
+            .unwrap();
+        let plan = explain_execute(&mut conn, step).await;
+        conn.execute("COMMIT").await.unwrap();
+        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(left, YOUNG, "the old events went, the young stayed");
+        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+        assert!(
+            read <= 100.0,
+            "a purge step read {read} rows of the partitions to delete 10 ({YOUNG} young events \
+             kept): {plan:#}"
         );
     }
 
