@@ -153,6 +153,8 @@ pub struct PgQueries {
     settle_begin: SqlStr,
     /// Begins a step of a purge.
     purge_begin: SqlStr,
+    /// Begins the status, or the count of what no live relay routes.
+    status_begin: SqlStr,
     /// Locks (subscriber, aggregate) keys of deliveries, in one order.
     lock_keys: SqlStr,
     /// Locks the key of one delivery.
@@ -268,13 +270,16 @@ SELECT set_config('synchronous_commit', 'off', true),
     )
 }
 
-/// The planner settings of the transactions of a record and of a purge's step: no sequential
-/// scans, as for the claim ([`claim_begin`]). A record reads the events it names by index, a
-/// purge the old published events; their statements are prepared once per pooled connection
-/// and their generic plans kept until a table they read changes, and a plan made while a
-/// partition was empty as a vacuum left it would scan that partition whole at every record
-/// (or step) once events filled it.
-const NO_SEQSCAN: &str = "SET LOCAL enable_seqscan = off";
+/// The planner settings of the transactions of a record, of a purge's step, of the status and
+/// of the count of what no live relay routes: no sequential scans, as for the claim
+/// ([`claim_begin`]). A record reads the events it names by index, a purge the old published
+/// events, the status and the count the partial indexes of what is not published; their
+/// statements are prepared once per pooled connection and their generic plans kept until a
+/// table they read changes, and a plan made while a partition was empty as a vacuum left it
+/// would scan that partition whole at every execution once events filled it. And no JIT, as
+/// for the claim: a scan with no other path is costed, with sequential scans off, so high that
+/// the server would compile the statement at every execution (the status then took 5 s).
+const BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 
 /// How long a claimer waits for the claim lock before it gives up and tries again.
 const LOCK_TIMEOUT: &str = "3s";
@@ -657,8 +662,13 @@ WITH events AS (
     ) AS u
 ),
 deliveries AS (
+    -- (Each delivery's event looked up by its id, under `LIMIT 1`: never a join that reads the
+    -- events first, whatever the plan believes the tables hold.)
     SELECT count(*) AS n, min(o.occurred_at) AS oldest
-    FROM {deliveries} AS d JOIN {outbox} AS o ON o.id = d.event_id
+    FROM {deliveries} AS d
+    CROSS JOIN LATERAL (
+        SELECT x.occurred_at FROM {outbox} AS x WHERE x.id = d.event_id LIMIT 1
+    ) AS o
     WHERE d.dead_at IS NULL AND d.subscriber <> ALL($2::text[])
 )
 SELECT e.n, d.n,
@@ -669,10 +679,11 @@ FROM events AS e, deliveries AS d"#
             record_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
-                 {NO_SEQSCAN}"
+                 {BY_INDEX}"
             )),
-            settle_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {NO_SEQSCAN}")),
-            purge_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {NO_SEQSCAN}")),
+            settle_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
+            purge_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
+            status_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
             lock_keys: sql(format!(
                 r#"
 SELECT count(pg_advisory_xact_lock({keys_lock}, k)) FROM (
@@ -1477,14 +1488,16 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         subscribers: Vec<String>,
     ) -> Result<(u64, u64, Option<Duration>), sqlx::Error> {
         let (floor, released) = queries.scan_from();
+        let mut tx = pool.begin_with(queries.status_begin.clone()).await?;
         let (events, deliveries, oldest): (i64, i64, Option<f64>) =
             sqlx::query_as(queries.unroutable.clone())
                 .bind(event_types)
                 .bind(subscribers)
                 .bind(floor)
                 .bind(released)
-                .fetch_one(pool)
+                .fetch_one(&mut *tx)
                 .await?;
+        tx.commit().await?;
         Ok((
             row_count(events),
             row_count(deliveries),
@@ -1772,7 +1785,10 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     }
 
     async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
-        status_in(pool, queries).await
+        let mut tx = pool.begin_with(queries.status_begin.clone()).await?;
+        let status = status_in(&mut *tx, queries).await?;
+        tx.commit().await?;
+        Ok(status)
     }
 
     async fn skip(
@@ -2709,6 +2725,157 @@ mod tests {
             "a purge step read {read} rows of the partitions to delete 10 ({YOUNG} young events \
              kept): {plan:#}"
         );
+    }
+
+    /// The relay's status, every status interval, is prepared once per pooled connection too:
+    /// planned while a partition was empty as a vacuum left it, its counts of held events
+    /// scanned that partition whole once events filled it. It reads the partial indexes of
+    /// what is not published, whatever a partition held when its plan was made, in a
+    /// transaction begun as the status begins it.
+    #[tokio::test]
+    async fn a_status_planned_while_a_partition_was_empty_reads_what_is_unpublished_once_it_fills()
+    {
+        const PUBLISHED: i64 = 20_000;
+        let db = migrated().await;
+        Outbox::<Postgres, ()>::new(db.pool.clone())
+            .partition_by_id(100_000)
+            .await
+            .unwrap();
+        sqlx::raw_sql("VACUUM events.outbox")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let mut conn = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "PREPARE status(int8, int8) AS {}",
+            queries.status.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        for _ in 0..8 {
+            conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+                .await
+                .unwrap();
+            conn.execute("EXECUTE status(0, 0)").await.unwrap();
+            conn.execute("COMMIT").await.unwrap();
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+             FROM generate_series(1, {PUBLISHED});
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, 10);
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, held_by)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', 1 FROM generate_series(1, 5);
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, dead_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, 3)"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        // The relay's floor, as its claims would have set it: past the published events.
+        let floor: i64 =
+            sqlx::query_scalar("SELECT min(id) FROM events.outbox WHERE published_at IS NULL")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        queries.events_floor.lock().unwrap().floor = floor;
+        conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+            .await
+            .unwrap();
+        let plan = explain_execute(&mut conn, &format!("status({floor}, 0)")).await;
+        conn.execute("COMMIT").await.unwrap();
+        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+        assert!(
+            read <= 100.0,
+            "the status read {read} rows of the partitions ({PUBLISHED} published events kept, \
+             18 not): {plan:#}"
+        );
+        let status = Postgres::status(&db.pool, &queries).await.unwrap();
+        assert_eq!(
+            (
+                status.pending_events,
+                status.held_events,
+                status.dead_letters
+            ),
+            (15, 5, 3),
+            "pending (nothing holds them, or held), held, dead"
+        );
+    }
+
+    /// So is its count of what no live relay routes: it reads the unpublished events, whatever
+    /// a partition held when its plan was made.
+    #[tokio::test]
+    async fn an_unroutable_count_planned_while_a_partition_was_empty_reads_what_is_unpublished() {
+        const PUBLISHED: i64 = 20_000;
+        let db = migrated().await;
+        Outbox::<Postgres, ()>::new(db.pool.clone())
+            .partition_by_id(100_000)
+            .await
+            .unwrap();
+        sqlx::raw_sql("VACUUM events.outbox")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let mut conn = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "PREPARE unroutable(text[], text[], int8, int8) AS {}",
+            queries.unroutable.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        for _ in 0..8 {
+            conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+                .await
+                .unwrap();
+            conn.execute("EXECUTE unroutable('{E}', '{}', 0, 0)")
+                .await
+                .unwrap();
+            conn.execute("COMMIT").await.unwrap();
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+             FROM generate_series(1, {PUBLISHED});
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'Unknown', '{{}}' FROM generate_series(1, 10)"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let floor: i64 =
+            sqlx::query_scalar("SELECT min(id) FROM events.outbox WHERE published_at IS NULL")
+                .fetch_one(&db.pool)
+                .await
+                .unwrap();
+        queries.events_floor.lock().unwrap().floor = floor;
+        conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+            .await
+            .unwrap();
+        let plan = explain_execute(
+            &mut conn,
+            &format!("unroutable('{{E}}', '{{}}', {floor}, 0)"),
+        )
+        .await;
+        conn.execute("COMMIT").await.unwrap();
+        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+        assert!(
+            read <= 100.0,
+            "the count read {read} rows of the partitions ({PUBLISHED} published events kept, \
+             10 not): {plan:#}"
+        );
+        let (events, _, _) = Postgres::unroutable(&db.pool, &queries, vec!["E".into()], vec![])
+            .await
+            .unwrap();
+        assert_eq!(events, 10, "the events of a type no relay routes");
     }
 
     /// The status of a running relay counts what no live relay routes, every status interval:
