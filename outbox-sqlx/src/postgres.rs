@@ -149,12 +149,9 @@ pub struct PgQueries {
     status: SqlStr,
     /// Begins a record that writes deliveries (see `lock_keys`).
     record_begin: SqlStr,
-    /// Begins a record that writes no deliveries.
-    settle_begin: SqlStr,
-    /// Begins a step of a purge.
-    purge_begin: SqlStr,
-    /// Begins the status, or the count of what no live relay routes.
-    status_begin: SqlStr,
+    /// Begins a record that writes no deliveries, a purge's step, the status or the count of
+    /// what no live relay routes (see [`BY_INDEX`]).
+    by_index_begin: SqlStr,
     /// Locks (subscriber, aggregate) keys of deliveries, in one order.
     lock_keys: SqlStr,
     /// Locks the key of one delivery.
@@ -681,9 +678,7 @@ FROM events AS e, deliveries AS d"#
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
                  {BY_INDEX}"
             )),
-            settle_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
-            purge_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
-            status_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
+            by_index_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
             lock_keys: sql(format!(
                 r#"
 SELECT count(pg_advisory_xact_lock({keys_lock}, k)) FROM (
@@ -1488,7 +1483,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         subscribers: Vec<String>,
     ) -> Result<(u64, u64, Option<Duration>), sqlx::Error> {
         let (floor, released) = queries.scan_from();
-        let mut tx = pool.begin_with(queries.status_begin.clone()).await?;
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let (events, deliveries, oldest): (i64, i64, Option<f64>) =
             sqlx::query_as(queries.unroutable.clone())
                 .bind(event_types)
@@ -1558,7 +1553,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             } else {
                 &queries.record_published
             };
-            let mut tx = pool.begin_with(queries.settle_begin.clone()).await?;
+            let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
             let live: i64 = sqlx::query_scalar(query.clone())
                 .bind(token.get())
                 .bind(ids)
@@ -1649,7 +1644,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             record
         };
         if outcomes.deliveries.is_empty() {
-            let mut tx = pool.begin_with(queries.settle_begin.clone()).await?;
+            let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
             let live = record.fetch_one(&mut *tx).await?;
             tx.commit().await?;
             return Ok(recorded(live));
@@ -1755,7 +1750,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .purge_whole
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
-        let mut tx = pool.begin_with(queries.purge_begin.clone()).await?;
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let mut step = purge_step(
             &mut *tx,
             queries,
@@ -1785,7 +1780,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     }
 
     async fn status(pool: &PgPool, queries: &PgQueries) -> Result<Status, sqlx::Error> {
-        let mut tx = pool.begin_with(queries.status_begin.clone()).await?;
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let status = status_in(&mut *tx, queries).await?;
         tx.commit().await?;
         Ok(status)
@@ -2571,13 +2566,13 @@ mod tests {
             (
                 "published",
                 &queries.record_published,
-                &queries.settle_begin,
+                &queries.by_index_begin,
                 String::new(),
             ),
             (
                 "published_part",
                 &queries.record_published_part,
-                &queries.settle_begin,
+                &queries.by_index_begin,
                 String::new(),
             ),
             (
@@ -2589,7 +2584,7 @@ mod tests {
             (
                 "record_part",
                 &queries.record_part,
-                &queries.settle_begin,
+                &queries.by_index_begin,
                 format!(", {empty}'{{1}}'"),
             ),
         ];
@@ -2687,7 +2682,7 @@ mod tests {
         // A minute's retention, 500 a step, from the oldest, no partition left whole.
         let step = "purge(60, 500, NULL, NULL, 0, 0)";
         for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.purge_begin.clone()))
+            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
                 .await
                 .unwrap();
             sqlx::raw_sql(AssertSqlSafe(format!("EXECUTE {step}")))
@@ -2709,7 +2704,7 @@ mod tests {
         .execute(&db.pool)
         .await
         .unwrap();
-        conn.execute(sqlx::raw_sql(queries.purge_begin.clone()))
+        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
             .await
             .unwrap();
         let plan = explain_execute(&mut conn, step).await;
@@ -2755,7 +2750,7 @@ mod tests {
         .await
         .unwrap();
         for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
                 .await
                 .unwrap();
             conn.execute("EXECUTE status(0, 0)").await.unwrap();
@@ -2785,7 +2780,7 @@ mod tests {
                 .await
                 .unwrap();
         queries.events_floor.lock().unwrap().floor = floor;
-        conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
             .await
             .unwrap();
         let plan = explain_execute(&mut conn, &format!("status({floor}, 0)")).await;
@@ -2832,7 +2827,7 @@ mod tests {
         .await
         .unwrap();
         for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
                 .await
                 .unwrap();
             conn.execute("EXECUTE unroutable('{E}', '{}', 0, 0)")
@@ -2857,7 +2852,7 @@ mod tests {
                 .await
                 .unwrap();
         queries.events_floor.lock().unwrap().floor = floor;
-        conn.execute(sqlx::raw_sql(queries.status_begin.clone()))
+        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
             .await
             .unwrap();
         let plan = explain_execute(
