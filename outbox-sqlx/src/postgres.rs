@@ -2540,15 +2540,10 @@ mod tests {
         );
     }
 
-    /// The records are prepared once per pooled connection, and their generic plans are kept
-    /// as the claim's are: made while a partition was empty as a vacuum left it, the plan of a
-    /// record of published events scanned that partition whole, twice, once events filled it
-    /// (40 020 rows read to record ten events beside 20 000 kept). Every record reads the
-    /// events by index, whatever a partition held when its plan was made, in a transaction
-    /// begun as the relay begins it.
-    #[tokio::test]
-    async fn records_planned_while_a_partition_was_empty_read_it_by_index_once_it_fills() {
-        const PUBLISHED: i64 = 20_000;
+    /// A database whose events table is partitioned by id, every partition vacuumed while
+    /// empty (no rows, no pages: as a vacuum leaves a partition made ahead), and a connection.
+    async fn vacuumed_empty_partitions() -> (TestDb, PgQueries, sqlx::pool::PoolConnection<Postgres>)
+    {
         let db = migrated().await;
         Outbox::<Postgres, ()>::new(db.pool.clone())
             .partition_by_id(100_000)
@@ -2558,7 +2553,98 @@ mod tests {
             .execute(&db.pool)
             .await
             .unwrap();
-        let queries = Postgres::queries(&TableNames::default());
+        let conn = db.pool.acquire().await.unwrap();
+        (db, Postgres::queries(&TableNames::default()), conn)
+    }
+
+    /// Prepares `statement` as `name` (`types`: its parameters' types, or empty to let the
+    /// server infer them) on `conn` and runs `{name}{args}` often enough, each time in a
+    /// transaction begun by `begin` before `setup`, that its plan is the generic one, kept.
+    async fn plan_generic(
+        conn: &mut PgConnection,
+        name: &str,
+        types: &str,
+        statement: &SqlStr,
+        (begin, setup): (&SqlStr, &str),
+        args: &str,
+    ) {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "PREPARE {name}{types} AS {}",
+            statement.as_str()
+        )))
+        .execute(&mut *conn)
+        .await
+        .unwrap();
+        for _ in 0..8 {
+            conn.execute(sqlx::raw_sql(begin.clone())).await.unwrap();
+            sqlx::raw_sql(AssertSqlSafe(format!("{setup}; EXECUTE {name}{args}")))
+                .execute(&mut *conn)
+                .await
+                .unwrap();
+            conn.execute("COMMIT").await.unwrap();
+        }
+    }
+
+    /// Rows of the partitions that `EXECUTE {statement}` read, run under EXPLAIN in a
+    /// transaction begun by `begin` before `setup`, then rolled back.
+    async fn partition_rows_read(
+        conn: &mut PgConnection,
+        (begin, setup): (&SqlStr, &str),
+        statement: &str,
+    ) -> (f64, Value) {
+        conn.execute(sqlx::raw_sql(begin.clone())).await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(setup.to_owned()))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        let plan = explain_execute(&mut *conn, statement).await;
+        conn.execute("ROLLBACK").await.unwrap();
+        (
+            rows_read_of(&plan, &|name| name.starts_with("outbox_p")),
+            plan,
+        )
+    }
+
+    /// Inserts `published` published events, then runs `more` (SQL), on `pool`; returns the id
+    /// of the first unpublished event: the relay's floor, as its claims would have set it.
+    async fn fill(pool: &PgPool, published: i64, more: &str) -> i64 {
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
+             FROM generate_series(1, {published});
+             {more}"
+        )))
+        .execute(pool)
+        .await
+        .unwrap();
+        sqlx::query_scalar(
+            "SELECT coalesce(min(id), 0) FROM events.outbox WHERE published_at IS NULL",
+        )
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    /// Ten pending events.
+    const TEN_PENDING: &str = "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+                               SELECT 'a', gen_random_uuid(), 'E', '{}' FROM generate_series(1, 10)";
+
+    /// The records are prepared once per pooled connection, and their generic plans are kept
+    /// as the claim's are: made while a partition was empty as a vacuum left it, the plan of a
+    /// record of published events scanned that partition whole, twice, once events filled it
+    /// (40 020 rows read to record ten events beside 20 000 kept). Every record reads the
+    /// events by index, whatever a partition held when its plan was made, in a transaction
+    /// begun as the relay begins it.
+    #[tokio::test]
+    async fn records_planned_while_a_partition_was_empty_read_it_by_index_once_it_fills() {
+        const PUBLISHED: i64 = 20_000;
+        let (db, queries, mut conn) = vacuumed_empty_partitions().await;
+        // Claim 1, live.
+        let claim = "INSERT INTO events.outbox_claims (id, until, event_ids, aggregate_types,
+                                                       aggregate_ids)
+                     VALUES (1, now() + interval '1 hour', '{}', '{}', '{}')
+                     ON CONFLICT (id) DO NOTHING";
         // (name, statement, how the relay begins its transaction, its arguments after the
         // claim and the events published)
         let empty = "'{}', ".repeat(17);
@@ -2588,44 +2674,11 @@ mod tests {
                 format!(", {empty}'{{1}}'"),
             ),
         ];
-        let mut conn = db.pool.acquire().await.unwrap();
-        let claim = "INSERT INTO events.outbox_claims (id, until, event_ids, aggregate_types,
-                                                       aggregate_ids)
-                     VALUES (1, now() + interval '1 hour', '{}', '{}', '{}')
-                     ON CONFLICT (id) DO NOTHING";
-        // Each statement run often enough, with every partition empty, that its plan is the
-        // generic one, kept.
         for (name, statement, begin, rest) in &statements {
-            sqlx::raw_sql(AssertSqlSafe(format!(
-                "PREPARE {name} AS {}",
-                statement.as_str()
-            )))
-            .execute(&mut *conn)
-            .await
-            .unwrap();
-            for _ in 0..8 {
-                conn.execute(sqlx::raw_sql((*begin).clone())).await.unwrap();
-                conn.execute(claim).await.unwrap();
-                sqlx::raw_sql(AssertSqlSafe(format!(
-                    "EXECUTE {name}(1, '{{1, 2, 3}}'{rest})"
-                )))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-                conn.execute("COMMIT").await.unwrap();
-            }
+            let args = format!("(1, '{{1, 2, 3}}'{rest})");
+            plan_generic(&mut conn, name, "", statement, (begin, claim), &args).await;
         }
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
-             FROM generate_series(1, {PUBLISHED});
-             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, 10)"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
+        fill(&db.pool, PUBLISHED, TEN_PENDING).await;
         let pending: Vec<String> =
             sqlx::query_scalar("SELECT id::text FROM events.outbox WHERE published_at IS NULL")
                 .fetch_all(&db.pool)
@@ -2634,16 +2687,10 @@ mod tests {
         let pending = pending.join(", ");
         let mut read = Vec::new();
         for (name, _, begin, rest) in &statements {
-            conn.execute(sqlx::raw_sql((*begin).clone())).await.unwrap();
-            conn.execute(claim).await.unwrap();
-            let plan =
-                explain_execute(&mut conn, &format!("{name}(1, '{{{pending}}}'{rest})")).await;
             // (Rolled back: the next statement records the same events.)
-            conn.execute("ROLLBACK").await.unwrap();
-            read.push((
-                *name,
-                rows_read_of(&plan, &|name| name.starts_with("outbox_p")),
-            ));
+            let statement = format!("{name}(1, '{{{pending}}}'{rest})");
+            let (rows, _) = partition_rows_read(&mut conn, (begin, claim), &statement).await;
+            read.push((*name, rows));
         }
         // (Ten events, looked up in each of the four partitions: a plan made for them all.)
         assert!(
@@ -2661,131 +2708,79 @@ mod tests {
     #[tokio::test]
     async fn a_purge_planned_while_a_partition_was_empty_reads_only_old_events_once_it_fills() {
         const YOUNG: i64 = 20_000;
-        let db = migrated().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .partition_by_id(100_000)
-            .await
-            .unwrap();
-        sqlx::raw_sql("VACUUM events.outbox")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        let queries = Postgres::queries(&TableNames::default());
-        let mut conn = db.pool.acquire().await.unwrap();
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "PREPARE purge(float8, int8, int8, int8, int8, int8) AS {}",
-            queries.purge_published.as_str()
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
+        let (db, queries, mut conn) = vacuumed_empty_partitions().await;
+        let begin = (&queries.by_index_begin, "SELECT 1");
         // A minute's retention, 500 a step, from the oldest, no partition left whole.
-        let step = "purge(60, 500, NULL, NULL, 0, 0)";
-        for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-                .await
-                .unwrap();
-            sqlx::raw_sql(AssertSqlSafe(format!("EXECUTE {step}")))
-                .execute(&mut *conn)
-                .await
-                .unwrap();
-            conn.execute("COMMIT").await.unwrap();
-        }
-        sqlx::raw_sql(AssertSqlSafe(format!(
+        let step = "(60, 500, NULL, NULL, 0, 0)";
+        let types = "(float8, int8, int8, int8, int8, int8)";
+        plan_generic(
+            &mut conn,
+            "purge",
+            types,
+            &queries.purge_published,
+            begin,
+            step,
+        )
+        .await;
+        fill(
+            &db.pool,
+            YOUNG,
             "INSERT INTO events.outbox
                  (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() - interval '1 day'
-             FROM generate_series(1, 10);
-             INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
-             FROM generate_series(1, {YOUNG})"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-            .await
-            .unwrap();
-        let plan = explain_execute(&mut conn, step).await;
-        conn.execute("COMMIT").await.unwrap();
-        let left: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
-            .fetch_one(&db.pool)
-            .await
-            .unwrap();
-        assert_eq!(left, YOUNG, "the old events went, the young stayed");
-        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+             SELECT 'a', gen_random_uuid(), 'E', '{}', now() - interval '1 day'
+             FROM generate_series(1, 10)",
+        )
+        .await;
+        let (read, plan) = partition_rows_read(&mut conn, begin, &format!("purge{step}")).await;
         assert!(
             read <= 100.0,
             "a purge step read {read} rows of the partitions to delete 10 ({YOUNG} young events \
              kept): {plan:#}"
         );
+        let deleted = purge_step(&db.pool, &queries, Duration::from_secs(60), 500, None, 0..0)
+            .await
+            .unwrap()
+            .deleted;
+        assert_eq!(deleted, 10, "the old events, not the young");
     }
 
     /// The relay's status, every status interval, is prepared once per pooled connection too:
-    /// planned while a partition was empty as a vacuum left it, its counts of held events
-    /// scanned that partition whole once events filled it. It reads the partial indexes of
-    /// what is not published, whatever a partition held when its plan was made, in a
-    /// transaction begun as the status begins it.
+    /// planned while a partition was empty as a vacuum left it, its counts scanned that
+    /// partition whole, four times, once events filled it (80 072 rows read beside 20 000
+    /// published events). It reads the partial indexes of what is not published, whatever a
+    /// partition held when its plan was made, in a transaction begun as the status begins it.
     #[tokio::test]
     async fn a_status_planned_while_a_partition_was_empty_reads_what_is_unpublished_once_it_fills()
     {
         const PUBLISHED: i64 = 20_000;
-        let db = migrated().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .partition_by_id(100_000)
-            .await
-            .unwrap();
-        sqlx::raw_sql("VACUUM events.outbox")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        let queries = Postgres::queries(&TableNames::default());
-        let mut conn = db.pool.acquire().await.unwrap();
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "PREPARE status(int8, int8) AS {}",
-            queries.status.as_str()
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-                .await
-                .unwrap();
-            conn.execute("EXECUTE status(0, 0)").await.unwrap();
-            conn.execute("COMMIT").await.unwrap();
-        }
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
-             FROM generate_series(1, {PUBLISHED});
-             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, 10);
-             INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, held_by)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', 1 FROM generate_series(1, 5);
-             INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, dead_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, 3)"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-        // The relay's floor, as its claims would have set it: past the published events.
-        let floor: i64 =
-            sqlx::query_scalar("SELECT min(id) FROM events.outbox WHERE published_at IS NULL")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
+        let (db, queries, mut conn) = vacuumed_empty_partitions().await;
+        let begin = (&queries.by_index_begin, "SELECT 1");
+        plan_generic(
+            &mut conn,
+            "status",
+            "(int8, int8)",
+            &queries.status,
+            begin,
+            "(0, 0)",
+        )
+        .await;
+        let floor = fill(
+            &db.pool,
+            PUBLISHED,
+            &format!(
+                "{TEN_PENDING};
+                 INSERT INTO events.outbox
+                     (aggregate_type, aggregate_id, event_type, payload, held_by)
+                 SELECT 'a', gen_random_uuid(), 'E', '{{}}', 1 FROM generate_series(1, 5);
+                 INSERT INTO events.outbox
+                     (aggregate_type, aggregate_id, event_type, payload, dead_at)
+                 SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, 3)"
+            ),
+        )
+        .await;
         queries.events_floor.lock().unwrap().floor = floor;
-        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-            .await
-            .unwrap();
-        let plan = explain_execute(&mut conn, &format!("status({floor}, 0)")).await;
-        conn.execute("COMMIT").await.unwrap();
-        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+        let statement = format!("status({floor}, 0)");
+        let (read, plan) = partition_rows_read(&mut conn, begin, &statement).await;
         assert!(
             read <= 100.0,
             "the status read {read} rows of the partitions ({PUBLISHED} published events kept, \
@@ -2803,65 +2798,36 @@ mod tests {
         );
     }
 
-    /// So is its count of what no live relay routes: it reads the unpublished events, whatever
-    /// a partition held when its plan was made.
+    /// So is its count of what no live relay routes (40 020 rows read beside 20 000 published
+    /// events; with sequential scans off, its join of deliveries to their events still read
+    /// them all until each delivery's event was looked up by its id): it reads the unpublished
+    /// events, whatever a partition held when its plan was made.
     #[tokio::test]
     async fn an_unroutable_count_planned_while_a_partition_was_empty_reads_what_is_unpublished() {
         const PUBLISHED: i64 = 20_000;
-        let db = migrated().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .partition_by_id(100_000)
-            .await
-            .unwrap();
-        sqlx::raw_sql("VACUUM events.outbox")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        let queries = Postgres::queries(&TableNames::default());
-        let mut conn = db.pool.acquire().await.unwrap();
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "PREPARE unroutable(text[], text[], int8, int8) AS {}",
-            queries.unroutable.as_str()
-        )))
-        .execute(&mut *conn)
-        .await
-        .unwrap();
-        for _ in 0..8 {
-            conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-                .await
-                .unwrap();
-            conn.execute("EXECUTE unroutable('{E}', '{}', 0, 0)")
-                .await
-                .unwrap();
-            conn.execute("COMMIT").await.unwrap();
-        }
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
-             FROM generate_series(1, {PUBLISHED});
-             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'a', gen_random_uuid(), 'Unknown', '{{}}' FROM generate_series(1, 10)"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
-        let floor: i64 =
-            sqlx::query_scalar("SELECT min(id) FROM events.outbox WHERE published_at IS NULL")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-        queries.events_floor.lock().unwrap().floor = floor;
-        conn.execute(sqlx::raw_sql(queries.by_index_begin.clone()))
-            .await
-            .unwrap();
-        let plan = explain_execute(
+        let (db, queries, mut conn) = vacuumed_empty_partitions().await;
+        let begin = (&queries.by_index_begin, "SELECT 1");
+        let types = "(text[], text[], int8, int8)";
+        let args = "('{E}', '{}', 0, 0)";
+        plan_generic(
             &mut conn,
-            &format!("unroutable('{{E}}', '{{}}', {floor}, 0)"),
+            "unroutable",
+            types,
+            &queries.unroutable,
+            begin,
+            args,
         )
         .await;
-        conn.execute("COMMIT").await.unwrap();
-        let read = rows_read_of(&plan, &|name| name.starts_with("outbox_p"));
+        let floor = fill(
+            &db.pool,
+            PUBLISHED,
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'Unknown', '{}' FROM generate_series(1, 10)",
+        )
+        .await;
+        queries.events_floor.lock().unwrap().floor = floor;
+        let statement = format!("unroutable('{{E}}', '{{}}', {floor}, 0)");
+        let (read, plan) = partition_rows_read(&mut conn, begin, &statement).await;
         assert!(
             read <= 100.0,
             "the count read {read} rows of the partitions ({PUBLISHED} published events kept, \
