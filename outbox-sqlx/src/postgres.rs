@@ -258,24 +258,23 @@ fn claim_begin(lock: i64) -> String {
 SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
 SET LOCAL statement_timeout = '{STATEMENT_TIMEOUT}';
 SET LOCAL idle_in_transaction_session_timeout = '{IDLE_TIMEOUT}';
-SET LOCAL jit = off;
 SET LOCAL enable_mergejoin = off;
-SET LOCAL enable_seqscan = off;
+{BY_INDEX};
 SELECT set_config('synchronous_commit', 'off', true),
        set_config('plan_cache_mode', 'force_generic_plan', true),
        pg_advisory_xact_lock({lock})"
     )
 }
 
-/// The planner settings of the transactions of a record, of a purge's step, of the status and
-/// of the count of what no live relay routes: no sequential scans, as for the claim
-/// ([`claim_begin`]). A record reads the events it names by index, a purge the old published
-/// events, the status and the count the partial indexes of what is not published; their
-/// statements are prepared once per pooled connection and their generic plans kept until a
-/// table they read changes, and a plan made while a partition was empty as a vacuum left it
-/// would scan that partition whole at every execution once events filled it. And no JIT, as
-/// for the claim: a scan with no other path is costed, with sequential scans off, so high that
-/// the server would compile the statement at every execution (the status then took 5 s).
+/// The planner settings of the claim's transaction ([`claim_begin`], which says why there) and
+/// of those of a record, of a purge's step, of the status and of the count of what no live
+/// relay routes: no sequential scans, and no JIT. A record reads the events it names by index,
+/// a purge the old published events, the status and the count the partial indexes of what is
+/// not published; their statements are prepared once per pooled connection and their generic
+/// plans kept until a table they read changes, and a plan made while a partition was empty as
+/// a vacuum left it would scan that partition whole at every execution once events filled it.
+/// No JIT: a scan with no other path is costed, with sequential scans off, so high that the
+/// server would compile the statement at every execution (the status then took 5 s).
 const BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 
 /// How long a claimer waits for the claim lock before it gives up and tries again.
@@ -2494,40 +2493,14 @@ mod tests {
     #[tokio::test]
     async fn a_claim_planned_while_a_partition_was_empty_reads_it_by_index_once_it_fills() {
         const PUBLISHED: i64 = 20_000;
-        let db = migrated().await;
-        Outbox::<Postgres, ()>::new(db.pool.clone())
-            .partition_by_id(100_000)
-            .await
-            .unwrap();
-        sqlx::raw_sql("VACUUM events.outbox")
-            .execute(&db.pool)
-            .await
-            .unwrap();
-        let queries = Postgres::queries(&TableNames::default());
-        let mut conn = db.pool.acquire().await.unwrap();
+        let (db, queries, mut conn) = vacuumed_empty_partitions().await;
         // Planned with every partition empty (and kept: nothing below changes a table's
         // definition or its statistics).
         let plan = explain_claim_of(&mut conn, 10, true, &queries).await;
         assert_eq!(plan["Actual Rows"], 1, "nothing to claim yet");
-        sqlx::raw_sql(AssertSqlSafe(format!(
-            "INSERT INTO events.outbox
-                 (aggregate_type, aggregate_id, event_type, payload, published_at)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now()
-             FROM generate_series(1, {PUBLISHED});
-             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
-             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, 10)"
-        )))
-        .execute(&db.pool)
-        .await
-        .unwrap();
         // The relay's floor, as its claims would have set it: past the published events (from
         // the start, a scan of the primary key would read them all, whatever the plan).
-        let first_pending: i64 =
-            sqlx::query_scalar("SELECT min(id) FROM events.outbox WHERE published_at IS NULL")
-                .fetch_one(&db.pool)
-                .await
-                .unwrap();
-        queries.events_floor.lock().unwrap().floor = first_pending;
+        queries.events_floor.lock().unwrap().floor = fill(&db.pool, PUBLISHED, TEN_PENDING).await;
         let plan = explain_claim_of(&mut conn, 10, true, &queries).await;
         assert_eq!(
             plan["Actual Rows"], 11,
