@@ -1395,7 +1395,12 @@ LIMIT ?"#
         })
     }
 
-    crate::views::operator_views!(MySqlPool, MySqlQueries, MySqlConnection);
+    crate::views::operator_views!(
+        MySqlPool,
+        MySqlQueries,
+        MySqlConnection,
+        begin = |_: &MySqlQueries| "BEGIN"
+    );
 
     async fn published_within(
         pool: &MySqlPool,

@@ -432,7 +432,7 @@ impl<DB: Backend, R> Outbox<DB, R> {
         let event = delivery.event();
         let (consumer, message_id) = (delivery.subscriber(), event.id.to_string());
         let received = match delivery.claim_token() {
-            // The claim's lock and the inbox record in one round trip.
+            // The claim's lock and the inbox record in one statement.
             Some(token) => {
                 crate::inbox::check(consumer, &message_id)?;
                 let held =

@@ -122,7 +122,8 @@ pub struct PgQueries {
     /// Begins a claim (see [`claim_begin`]).
     claim_begin: SqlStr,
     /// Begins an operator's action that can release held events: it takes the claim lock, so
-    /// that no claim sets events aside on a snapshot older than the action.
+    /// that no claim sets events aside on a snapshot older than the action (and reads by
+    /// index, see [`BY_INDEX`]).
     locked_begin: SqlStr,
     insert_one: SqlStr,
     insert: SqlStr,
@@ -149,8 +150,8 @@ pub struct PgQueries {
     status: SqlStr,
     /// Begins a record that writes deliveries (see `lock_keys`).
     record_begin: SqlStr,
-    /// Begins a record that writes no deliveries, a purge's step, the status or the count of
-    /// what no live relay routes (see [`BY_INDEX`]).
+    /// Begins every other transaction that reads the tables: a record that writes no
+    /// deliveries, a purge's step, the status, the operator's views... (see [`BY_INDEX`]).
     by_index_begin: SqlStr,
     /// Locks (subscriber, aggregate) keys of deliveries, in one order.
     lock_keys: SqlStr,
@@ -267,12 +268,26 @@ SELECT set_config('synchronous_commit', 'off', true),
 }
 
 /// The planner settings of the claim's transaction ([`claim_begin`], which says why there) and
-/// of those of a record, of a purge's step, of the status and of the count of what no live
-/// relay routes: no sequential scans, and no JIT. A record reads the events it names by index,
-/// a purge the old published events, the status and the count the partial indexes of what is
-/// not published; their statements are prepared once per pooled connection and their generic
-/// plans kept until a table they read changes, and a plan made while a partition was empty as
-/// a vacuum left it would scan that partition whole at every execution once events filled it.
+/// of every other transaction this backend begins to read its tables: no sequential scans,
+/// and no JIT.
+///
+/// A statement prepared once per pooled connection keeps its generic plan until a table it
+/// reads changes (a vacuum, an analyze), and a plan made while a table or partition was empty,
+/// as a vacuum leaves it, would scan it whole at every run once rows filled it. So:
+///
+/// - What the relay runs at every batch or status interval (records, a purge's steps, the
+///   status, the count of what no live relay routes) keeps its plan, and reads by index: a
+///   record the events it names, a purge the old published events, the status and the count
+///   the partial indexes of what is not published (each statement's shape leaves no other
+///   path; a test per statement plans it while a partition is empty, then fills it).
+/// - Everything else (a lease's renewal, a relay's registration, the inbox's purge, the
+///   operator's views and actions) is planned at each run (`persistent(false)`), for the sizes
+///   the tables have then, and without sequential scans too: a table whose columns were never
+///   analyzed gives a range a third of its rows, and a scan of it whole looks right.
+/// - In the user's transaction, where a setting would outlive the statement, a handler's hold
+///   of its claim (alone or with the inbox's record) is planned at each run; it reads the claims
+///   table by its primary key, which needs no statistics.
+///
 /// No JIT: a scan with no other path is costed, with sequential scans off, so high that the
 /// server would compile the statement at every execution (the status then took 5 s).
 const BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
@@ -696,6 +711,7 @@ FROM {deliveries} WHERE event_id = $1 AND subscriber = $2"#
             locked_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
                  SET LOCAL lock_timeout = '{LOCK_TIMEOUT}';
+                 {BY_INDEX};
                  SELECT pg_advisory_xact_lock({lock})"
             )),
             insert_one: sql(format!(
@@ -1442,12 +1458,15 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         routing: &str,
         ttl: Duration,
     ) -> Result<Registry, sqlx::Error> {
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let rows: Vec<(Uuid, i64, String)> = sqlx::query_as(queries.register.clone())
+            .persistent(false)
             .bind(relay)
             .bind(routing)
             .bind(seconds(ttl))
-            .fetch_all(pool)
+            .fetch_all(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(registry_of(rows))
     }
 
@@ -1505,12 +1524,15 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         token: ClaimToken,
         lease: Duration,
     ) -> Result<bool, sqlx::Error> {
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let renewed = sqlx::query(queries.renew.clone())
+            .persistent(false)
             .bind(token.get())
             .bind(seconds(lease))
-            .execute(pool)
+            .execute(&mut *tx)
             .await?
             .rows_affected();
+        tx.commit().await?;
         Ok(renewed == 1)
     }
 
@@ -1520,6 +1542,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         token: ClaimToken,
     ) -> Result<bool, sqlx::Error> {
         Ok(sqlx::query(queries.hold_claim.clone())
+            .persistent(false)
             .bind(token.get())
             .fetch_optional(conn)
             .await?
@@ -1693,6 +1716,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         message_id: &str,
     ) -> Result<Option<bool>, sqlx::Error> {
         let (held, new): (bool, bool) = sqlx::query_as(queries.hold_and_receive.clone())
+            .persistent(false)
             .bind(consumer)
             .bind(message_id)
             .bind(token.get())
@@ -1707,12 +1731,16 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         older_than: Duration,
         batch_size: u32,
     ) -> Result<u64, sqlx::Error> {
-        Ok(sqlx::query(queries.purge_inbox.clone())
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
+        let purged = sqlx::query(queries.purge_inbox.clone())
+            .persistent(false)
             .bind(seconds(older_than))
             .bind(i64::from(batch_size))
-            .execute(pool)
+            .execute(&mut *tx)
             .await?
-            .rows_affected())
+            .rows_affected();
+        tx.commit().await?;
+        Ok(purged)
     }
 
     async fn purge_published(
@@ -1764,17 +1792,25 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         Ok(step)
     }
 
-    crate::views::operator_views!(PgPool, PgQueries, PgConnection);
+    crate::views::operator_views!(
+        PgPool,
+        PgQueries,
+        PgConnection,
+        begin = |queries: &PgQueries| queries.by_index_begin.clone()
+    );
 
     async fn published_within(
         pool: &PgPool,
         queries: &PgQueries,
         window: Duration,
     ) -> Result<u64, sqlx::Error> {
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
         let count: i64 = sqlx::query_scalar(queries.published_within.clone())
+            .persistent(false)
             .bind(seconds(window))
-            .fetch_one(pool)
+            .fetch_one(&mut *tx)
             .await?;
+        tx.commit().await?;
         Ok(row_count(count))
     }
 
@@ -1794,10 +1830,12 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     ) -> Result<bool, sqlx::Error> {
         let query = match subscriber {
             Some(subscriber) => sqlx::query(queries.skip_delivery.clone())
+                .persistent(false)
                 .bind(event_id)
                 .bind(subscriber)
                 .bind(reason),
             None => sqlx::query(queries.skip_event.clone())
+                .persistent(false)
                 .bind(event_id)
                 .bind(reason),
         };
@@ -1807,6 +1845,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         if let Some(subscriber) = subscriber {
             // As a record: the row behind the skipped one is due once it is the first.
             sqlx::query(queries.lock_delivery_key.clone())
+                .persistent(false)
                 .bind(event_id)
                 .bind(subscriber)
                 .execute(&mut *tx)
@@ -1876,6 +1915,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         ids: &[i64],
     ) -> Result<u64, sqlx::Error> {
         let changed: i64 = sqlx::query_scalar(queries.requeue_events.clone())
+            .persistent(false)
             .bind(ids)
             .fetch_one(conn)
             .await?;
@@ -1889,6 +1929,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         first_line: Option<&str>,
     ) -> Result<u64, sqlx::Error> {
         Ok(sqlx::query(queries.requeue_subscriber.clone())
+            .persistent(false)
             .bind(subscriber)
             .bind(first_line)
             .execute(conn)
@@ -1902,12 +1943,15 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         before: i64,
         limit: u32,
     ) -> Result<Vec<crate::RequeueRecord>, sqlx::Error> {
-        sqlx::query(queries.requeues.clone())
+        let mut tx = pool.begin_with(queries.by_index_begin.clone()).await?;
+        let rows = sqlx::query(queries.requeues.clone())
+            .persistent(false)
             .bind(before)
             .bind(i64::from(limit))
-            .fetch_all(pool)
-            .await?
-            .iter()
+            .fetch_all(&mut *tx)
+            .await?;
+        tx.commit().await?;
+        rows.iter()
             .map(|row| requeue_record(row, row.try_get("event_ids")?, row.try_get("requeued_at")?))
             .collect()
     }
@@ -1920,6 +1964,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         reason: &str,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(queries.record_requeue.clone())
+            .persistent(false)
             .bind(named.event_ids)
             .bind(named.subscriber)
             .bind(named.first_line)
@@ -2810,6 +2855,236 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(events, 10, "the events of a type no relay routes");
+    }
+
+    /// Rows read so far of the tables of schema `events` whose names are `LIKE` `pattern`:
+    /// by their sequential scans, and index entries by the scans of their indexes; counted
+    /// once the session of `pool` (a pool of one connection) flushed its counts to the
+    /// server's statistics.
+    async fn rows_read_so_far(pool: &PgPool, pattern: &str) -> i64 {
+        sqlx::query("SELECT pg_stat_force_next_flush()")
+            .execute(pool)
+            .await
+            .unwrap();
+        sqlx::query_scalar(
+            "SELECT (SELECT coalesce(sum(seq_tup_read), 0) FROM pg_stat_user_tables
+                     WHERE schemaname = 'events' AND relname LIKE $1)::int8
+                  + (SELECT coalesce(sum(idx_tup_read), 0) FROM pg_stat_user_indexes
+                     WHERE schemaname = 'events' AND relname LIKE $1)::int8",
+        )
+        .bind(pattern)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+    }
+
+    /// A lease's renewal (run every quarter of a lease, on the relay's pool), and a handler's
+    /// hold of its claim (in the handler's own transaction, alone or with the inbox's record)
+    /// read the claims table by id. Prepared once per connection and kept, their plans were
+    /// made again only when the table's statistics changed: made while the table was empty,
+    /// as a vacuum leaves it, they scanned it whole once claims filled it (as a session
+    /// holding an old snapshot makes them pile up), at each run: 50 001 rows read by each.
+    /// They are planned at each run, for what the table holds then.
+    #[tokio::test]
+    async fn a_renewal_or_a_hold_of_a_claim_reads_one_claim_whatever_the_table_held_before() {
+        const CLAIMS: i64 = 50_000;
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        sqlx::raw_sql(
+            "INSERT INTO events.outbox_claims (id, until, event_ids) VALUES (1, now(), '{}');
+             DELETE FROM events.outbox_claims",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::raw_sql("VACUUM events.outbox_claims")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        // One connection: every statement below runs on the same session, as the relay's and a
+        // handler's statements come back to the same pooled connections.
+        let pool = db.pool_named("claims", 1).await;
+        let token = ClaimToken::new(1);
+        let minute = Duration::from_secs(60);
+        // While the table is empty, more often than the server takes to keep a plan.
+        for round in 0..8 {
+            assert!(
+                !Postgres::renew(&pool, &queries, token, minute)
+                    .await
+                    .unwrap()
+            );
+            let mut tx = pool.begin().await.unwrap();
+            assert!(
+                !Postgres::hold_claim(&mut tx, &queries, token)
+                    .await
+                    .unwrap()
+            );
+            let message = format!("m{round}");
+            let held = Postgres::hold_and_receive(&mut tx, &queries, token, "c", &message);
+            assert_eq!(held.await.unwrap(), None, "no claim to hold yet");
+            tx.rollback().await.unwrap();
+        }
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox_claims (id, until, event_ids)
+             SELECT n, now() + interval '1 hour', '{{}}' FROM generate_series(1, {CLAIMS}) AS n"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut read = Vec::new();
+        let before = rows_read_so_far(&pool, "outbox\\_claims").await;
+        assert!(
+            Postgres::renew(&pool, &queries, token, minute)
+                .await
+                .unwrap()
+        );
+        let after = rows_read_so_far(&pool, "outbox\\_claims").await;
+        read.push(("renew", after - before));
+        let mut tx = pool.begin().await.unwrap();
+        assert!(
+            Postgres::hold_claim(&mut tx, &queries, token)
+                .await
+                .unwrap()
+        );
+        tx.rollback().await.unwrap();
+        let before = after;
+        let after = rows_read_so_far(&pool, "outbox\\_claims").await;
+        read.push(("hold_claim", after - before));
+        let mut tx = pool.begin().await.unwrap();
+        let held = Postgres::hold_and_receive(&mut tx, &queries, token, "c", "new");
+        assert_eq!(
+            held.await.unwrap(),
+            Some(true),
+            "held, and the message is new"
+        );
+        tx.rollback().await.unwrap();
+        let before = after;
+        let after = rows_read_so_far(&pool, "outbox\\_claims").await;
+        read.push(("hold_and_receive", after - before));
+        assert!(
+            read.iter().all(|&(_, rows)| rows <= 10),
+            "rows of the claims table ({CLAIMS} claims) each statement read: {read:?}"
+        );
+    }
+
+    /// Rows read (see [`rows_read_so_far`]) of the tables named `LIKE` `pattern` since `at`,
+    /// which becomes now.
+    async fn rows_read_since(pool: &PgPool, pattern: &str, at: &mut i64) -> i64 {
+        let now = rows_read_so_far(pool, pattern).await;
+        let read = now - *at;
+        *at = now;
+        read
+    }
+
+    /// Each read of an operator's console (the sampler's count of what was published in the
+    /// last minute, the overview, a page of each state, the dead letters' groups, the
+    /// subscribers) once, on `pool`, each with the rows of the partitions it read.
+    async fn console_reads(pool: &PgPool, queries: &PgQueries) -> Vec<(String, i64)> {
+        let partitions = "outbox\\_p%";
+        let mut at = rows_read_so_far(pool, partitions).await;
+        let mut read = Vec::new();
+        Postgres::published_within(pool, queries, Duration::from_secs(60))
+            .await
+            .unwrap();
+        let rows = rows_read_since(pool, partitions, &mut at).await;
+        read.push(("published_within".to_owned(), rows));
+        Postgres::overview(pool, queries).await.unwrap();
+        let rows = rows_read_since(pool, partitions, &mut at).await;
+        read.push(("overview".to_owned(), rows));
+        for state in crate::ListState::ALL {
+            let page = crate::ListQuery::new(state).limit(5);
+            Postgres::list(pool, queries, &page).await.unwrap();
+            let rows = rows_read_since(pool, partitions, &mut at).await;
+            read.push((format!("list {state:?}"), rows));
+        }
+        Postgres::dead_letter_groups(pool, queries).await.unwrap();
+        let rows = rows_read_since(pool, partitions, &mut at).await;
+        read.push(("dead_letter_groups".to_owned(), rows));
+        Postgres::subscribers(pool, queries).await.unwrap();
+        let rows = rows_read_since(pool, partitions, &mut at).await;
+        read.push(("subscribers".to_owned(), rows));
+        read
+    }
+
+    /// What an operator's console reads every few seconds, and the inbox's purge at each
+    /// retention round, are prepared once per pooled connection too. Planned while a
+    /// partition (or the inbox) was empty as a vacuum left it, they read it whole once it
+    /// filled: 20 023 rows each for the count of events published in the last minute, a page
+    /// of six of the eight states and the dead letters' groups, 240 277 for the overview,
+    /// 40 020 of the inbox to purge 10 messages. They read what they are about, whatever a
+    /// table held before.
+    #[tokio::test]
+    async fn console_reads_and_the_inbox_purge_read_what_they_are_about_whatever_a_table_held_before()
+     {
+        const KEPT: i64 = 20_000;
+        let (db, queries, conn) = vacuumed_empty_partitions().await;
+        drop(conn);
+        sqlx::raw_sql(
+            "INSERT INTO events.outbox_inbox (consumer, message_id) VALUES ('c', 'm');
+             DELETE FROM events.outbox_inbox",
+        )
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        sqlx::raw_sql("VACUUM events.outbox_inbox")
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        // One connection, as in `a_renewal_or_a_hold_of_a_claim_reads_one_claim_...`.
+        let pool = db.pool_named("console", 1).await;
+        let day = Duration::from_secs(86_400);
+        for _ in 0..8 {
+            console_reads(&pool, &queries).await;
+            let purged = Postgres::purge_inbox(&pool, &queries, day, 500).await;
+            assert_eq!(purged.unwrap(), 0);
+        }
+        // Events published a day ago and ten just now, ten pending, three dead; messages
+        // handled just now and ten a week ago.
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() - interval '1 day'
+             FROM generate_series(1, {KEPT});
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, 10);
+             {TEN_PENDING};
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, dead_at, last_error)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now(), 'undecodable'
+             FROM generate_series(1, 3);
+             INSERT INTO events.outbox_inbox (consumer, message_id)
+             SELECT 'c', n::text FROM generate_series(1, {KEPT}) AS n;
+             INSERT INTO events.outbox_inbox (consumer, message_id, handled_at)
+             SELECT 'c', 'old' || n, now() - interval '7 days' FROM generate_series(1, 10) AS n"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
+        let mut read = console_reads(&pool, &queries).await;
+        let mut at = rows_read_so_far(&pool, "outbox\\_inbox").await;
+        let purged = Postgres::purge_inbox(&pool, &queries, day, 500).await;
+        assert_eq!(purged.unwrap(), 10, "the messages handled a week ago");
+        let rows = rows_read_since(&pool, "outbox\\_inbox", &mut at).await;
+        read.push(("purge_inbox (rows of the inbox)".to_owned(), rows));
+        assert!(
+            read.iter().all(|(_, rows)| *rows <= 100),
+            "rows of the partitions ({KEPT} old events kept) or of the inbox ({KEPT} young \
+             messages) each read: {read:?}"
+        );
+        // And what they read is right.
+        let minute = Duration::from_secs(60);
+        let published = Postgres::published_within(&pool, &queries, minute).await;
+        assert_eq!(
+            published.unwrap(),
+            10,
+            "the events published in the last minute"
+        );
+        let overview = Postgres::overview(&pool, &queries).await.unwrap();
+        let counts = [crate::ListState::Pending, crate::ListState::Dead].map(|s| overview.count(s));
+        assert_eq!(counts, [10, 3], "pending, dead");
+        let groups = Postgres::dead_letter_groups(&pool, &queries).await.unwrap();
+        assert_eq!(groups.iter().map(|g| g.dead).sum::<u64>(), 3);
     }
 
     /// The status of a running relay counts what no live relay routes, every status interval:

@@ -1161,7 +1161,12 @@ LIMIT $4"#
         })
     }
 
-    crate::views::operator_views!(SqlitePool, SqliteQueries, SqliteConnection);
+    crate::views::operator_views!(
+        SqlitePool,
+        SqliteQueries,
+        SqliteConnection,
+        begin = |_: &SqliteQueries| "BEGIN"
+    );
 
     async fn published_within(
         pool: &SqlitePool,

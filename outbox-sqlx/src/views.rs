@@ -548,24 +548,30 @@ pub struct HeldBack {
 /// The [`Backend`](crate::Backend) methods that read the operator views, the same on every
 /// backend (each has the queries `list`, `overview`, `dead_letter_groups`, `subscribers` and
 /// `dead_events_failing`): written once, expanded in each backend's impl with its pool, queries
-/// and connection types.
+/// and connection types, and `begin`, which gives, from the queries, the statement that begins
+/// the transaction the reads run in (on PostgreSQL, one that reads by index). They run now and
+/// then, so each is planned at each run: PostgreSQL would keep a plan made when a table was
+/// empty (`BY_INDEX` in `postgres.rs`).
 macro_rules! operator_views {
-    ($pool:ty, $queries:ty, $connection:ty) => {
+    ($pool:ty, $queries:ty, $connection:ty, begin = $begin:expr) => {
         async fn list(
             pool: &$pool,
             queries: &$queries,
             query: &crate::ListQuery,
         ) -> Result<Vec<crate::Listed>, sqlx::Error> {
-            sqlx::query(queries.list[query.state.index()].clone())
+            let mut tx = pool.begin_with(($begin)(queries)).await?;
+            let rows = sqlx::query(queries.list[query.state.index()].clone())
+                .persistent(false)
                 .bind(&query.subscriber)
                 .bind(&query.event_type)
                 .bind(query.aggregate_id)
                 .bind(query.after.0)
                 .bind(&query.after.1)
                 .bind(i64::from(query.limit))
-                .fetch_all(pool)
-                .await?
-                .iter()
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            rows.iter()
                 .map(|row| crate::views::listed(row, query.state))
                 .collect()
         }
@@ -574,35 +580,39 @@ macro_rules! operator_views {
             pool: &$pool,
             queries: &$queries,
         ) -> Result<crate::Overview, sqlx::Error> {
-            crate::views::overview(
-                &sqlx::query(queries.overview.clone())
-                    .fetch_one(pool)
-                    .await?,
-            )
+            let mut tx = pool.begin_with(($begin)(queries)).await?;
+            let row = sqlx::query(queries.overview.clone())
+                .persistent(false)
+                .fetch_one(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            crate::views::overview(&row)
         }
 
         async fn dead_letter_groups(
             pool: &$pool,
             queries: &$queries,
         ) -> Result<Vec<crate::DeadLetterGroup>, sqlx::Error> {
-            sqlx::query(queries.dead_letter_groups.clone())
-                .fetch_all(pool)
-                .await?
-                .iter()
-                .map(crate::views::dead_letter_group)
-                .collect()
+            let mut tx = pool.begin_with(($begin)(queries)).await?;
+            let rows = sqlx::query(queries.dead_letter_groups.clone())
+                .persistent(false)
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            rows.iter().map(crate::views::dead_letter_group).collect()
         }
 
         async fn subscribers(
             pool: &$pool,
             queries: &$queries,
         ) -> Result<Vec<crate::SubscriberStatus>, sqlx::Error> {
-            sqlx::query(queries.subscribers.clone())
-                .fetch_all(pool)
-                .await?
-                .iter()
-                .map(crate::backend::subscriber_status)
-                .collect()
+            let mut tx = pool.begin_with(($begin)(queries)).await?;
+            let rows = sqlx::query(queries.subscribers.clone())
+                .persistent(false)
+                .fetch_all(&mut *tx)
+                .await?;
+            tx.commit().await?;
+            rows.iter().map(crate::backend::subscriber_status).collect()
         }
 
         async fn dead_events_failing(
@@ -611,6 +621,7 @@ macro_rules! operator_views {
             first_line: &str,
         ) -> Result<Vec<i64>, sqlx::Error> {
             sqlx::query_scalar(queries.dead_events_failing.clone())
+                .persistent(false)
                 .bind(first_line)
                 .fetch_all(conn)
                 .await
