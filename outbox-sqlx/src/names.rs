@@ -29,7 +29,7 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 17] = [
+const INDEXES: [&str; 18] = [
     "pending_idx",
     "published_idx",
     "aggregate_idx",
@@ -45,10 +45,11 @@ const INDEXES: [&str; 17] = [
     "deliveries_claim_idx",
     "inbox_handled_idx",
     "waiting_idx",
-    // Not indexes: PostgreSQL's trigger (and its function) that counts events put back, and
-    // the function that draws an event's id.
+    // Not indexes: PostgreSQL's trigger (and its function) that counts events put back, the
+    // function that draws an event's id, and the one that holds a claim.
     "put_back",
     "next_id",
+    "hold_claim",
 ];
 
 /// PostgreSQL truncates identifiers to 63 bytes.
