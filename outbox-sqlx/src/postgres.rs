@@ -3018,9 +3018,9 @@ mod tests {
     /// retention round, are prepared once per pooled connection too. Planned while a
     /// partition (or the inbox) was empty as a vacuum left it, they read it whole once it
     /// filled: 20 023 rows each for the count of events published in the last minute, a page
-    /// of six of the eight states and the dead letters' groups, 240 277 for the overview,
-    /// 40 020 of the inbox to purge 10 messages. They read what they are about, whatever a
-    /// table held before.
+    /// of each of the five states of events and the dead letters' groups, 240 277 for the
+    /// overview, 40 020 of the inbox to purge 10 messages. They read what they are about,
+    /// whatever a table held before.
     #[tokio::test]
     async fn console_reads_and_the_inbox_purge_read_what_they_are_about_whatever_a_table_held_before()
      {
