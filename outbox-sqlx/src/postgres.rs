@@ -276,17 +276,20 @@ impl Claimer {
 
     /// Puts the connection back after a claim that saw the tables at `sizes`, run on a plan
     /// made for `planned` (`None`: made by this claim). A plan that a table outgrew is dropped,
-    /// to be made again by the next claim.
+    /// to be made again by the next claim; if that fails, the connection is let go instead (the
+    /// claim is committed: its batch is the relay's either way).
     async fn keep(
         &self,
         mut slot: ClaimerSlot<'_>,
         mut conn: PgConnection,
         planned: Option<TableSizes>,
         sizes: Option<TableSizes>,
-    ) -> Result<(), sqlx::Error> {
+    ) {
         let planned = match (planned, sizes) {
             (Some(planned), Some(sizes)) if planned.outgrown_by(sizes) => {
-                conn.clear_cached_statements().await?;
+                if conn.clear_cached_statements().await.is_err() {
+                    return;
+                }
                 None
             }
             (None, sizes) => sizes,
@@ -299,7 +302,6 @@ impl Claimer {
                 planned,
             });
         }
-        Ok(())
     }
 
     /// Lets the kept connection go, and every later one after its claim.
@@ -1547,7 +1549,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .and_then(|deliveries| Ok(TableSizes([deliveries, seen(6).parse()?])))
             .ok();
         // (On an error above the connection is dropped, not kept.)
-        queries.claimer.keep(slot, conn, planned, sizes).await?;
+        queries.claimer.keep(slot, conn, planned, sizes).await;
         if let (Ok(released), Ok(xmin), Ok(xmax)) =
             (seen(0).parse(), seen(2).parse(), seen(3).parse())
         {
