@@ -543,7 +543,9 @@ impl Backend for Postgres {
         FROM {claims} AS x
         CROSS JOIN LATERAL unnest(x.event_ids, x.aggregate_types, x.aggregate_ids)
             WITH ORDINALITY AS a(event_id, aggregate_type, aggregate_id, n)
-        WHERE x.id = $1 AND a.event_id <> ALL({ids}::int8[])
+        -- (A hashed `NOT IN`: `<> ALL` of an array parameter compares every event of the
+        -- claim with every event named.)
+        WHERE x.id = $1 AND a.event_id NOT IN (SELECT unnest({ids}::int8[]))
     ) AS k
     WHERE c.id = $1 AND c.until >= clock_timestamp() AND (SELECT count(*) FROM asynchronous) = 1
     RETURNING c.id
@@ -592,17 +594,22 @@ unheld AS (
     UPDATE {outbox} SET held_behind = NULL
     WHERE held_behind = ANY(ARRAY(SELECT p.id FROM published AS p WHERE p.retry_count > 0))
 ),
+-- (Each event's reason and delay looked up by its id in an object made once: a join with the
+-- arrays could scan them once per event.)
 parked AS (
     UPDATE {outbox} AS o
-    SET retry_count = o.retry_count + 1, last_error = p.reason,
-        next_retry_at = now() + p.delay * interval '1 second'
-    FROM unnest($3::int8[], $4::text[], $5::float8[]) AS p(id, reason, delay)
-    WHERE o.id = p.id AND o.id = ANY($3::int8[]) AND (SELECT live FROM live)
+    SET retry_count = o.retry_count + 1,
+        last_error = (SELECT jsonb_object($3::int8[]::text[], $4::text[])) ->> o.id::text,
+        next_retry_at = now()
+            + ((SELECT jsonb_object($3::int8[]::text[], $5::float8[]::text[])) ->> o.id::text)
+              ::float8 * interval '1 second'
+    WHERE o.id = ANY($3::int8[]) AND (SELECT live FROM live)
 ),
 dead AS (
-    UPDATE {outbox} AS o SET dead_at = now(), last_error = x.reason
-    FROM unnest($6::int8[], $7::text[]) AS x(id, reason)
-    WHERE o.id = x.id AND o.id = ANY($6::int8[]) AND (SELECT live FROM live)
+    UPDATE {outbox} AS o
+    SET dead_at = now(),
+        last_error = (SELECT jsonb_object($6::int8[]::text[], $7::text[])) ->> o.id::text
+    WHERE o.id = ANY($6::int8[]) AND (SELECT live FROM live)
 ),
 gone_rows AS MATERIALIZED (
     SELECT * FROM unnest($8::text[], $9::int8[]) AS x(subscriber, event_id)
@@ -616,44 +623,60 @@ new_rows AS MATERIALIZED (
 released_rows AS MATERIALIZED (
     SELECT * FROM unnest($18::text[], $19::int8[]) AS x(subscriber, event_id)
 ),
-heads AS MATERIALIZED (
-    -- The first row of each key this record touches, once it is applied: the rows it keeps
-    -- and the ones it writes, less the ones it deletes. That row is due (a waiting one at
-    -- once); the rest of the key waits behind it without a due time.
-    SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
-           least(
-               -- (Ordered as `deliveries_head_idx`, so that this reads that index; `NOT IN`
-               -- over the deleted rows is one hash lookup per row, where `NOT EXISTS` read
-               -- them all for every row.)
-               (SELECT h.event_id FROM {deliveries} AS h
-                WHERE h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
-                  AND h.aggregate_type = k.aggregate_type
-                  AND (h.subscriber, h.event_id) NOT IN (
-                      SELECT g.subscriber, g.event_id FROM gone_rows AS g)
-                ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
-               (SELECT min(n.event_id) FROM new_rows AS n
-                WHERE n.subscriber = k.subscriber AND n.aggregate_id = k.aggregate_id
-                  AND n.aggregate_type = k.aggregate_type)) AS event_id
+-- (The parts below meet without joins, whatever the plan: one made while the tables were
+-- empty joined them in nested loops, the rows a record writes times its keys. They look rows
+-- up by index (`= ANY`, `LATERAL ... LIMIT 1`) and sets up by hash (`IN`, `NOT IN` of a
+-- subquery that names no outer column: one hash table, made once).)
+keys AS MATERIALIZED (
+    -- Each key this record touches, with the first of the rows it writes there.
+    SELECT x.subscriber, x.aggregate_type, x.aggregate_id, min(x.event_id) AS first_new
     FROM (
         -- (Lateral, and kept so by its `LIMIT`: a primary-key lookup per recorded row, never a
         -- join over every delivery, whatever the estimates.)
-        SELECT d.subscriber, d.aggregate_type, d.aggregate_id
+        SELECT d.subscriber, d.aggregate_type, d.aggregate_id, NULL::int8 AS event_id
         FROM (SELECT * FROM gone_rows UNION ALL SELECT * FROM released_rows) AS x
         CROSS JOIN LATERAL (
             SELECT d.subscriber, d.aggregate_type, d.aggregate_id FROM {deliveries} AS d
             WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id
             LIMIT 1
         ) AS d
-        UNION
-        SELECT n.subscriber, n.aggregate_type, n.aggregate_id FROM new_rows AS n
-    ) AS k
+        UNION ALL
+        SELECT n.subscriber, n.aggregate_type, n.aggregate_id, n.event_id FROM new_rows AS n
+    ) AS x
+    GROUP BY x.subscriber, x.aggregate_type, x.aggregate_id
+),
+heads AS MATERIALIZED (
+    -- The first row of each key this record touches, once it is applied: the rows it keeps
+    -- and the ones it writes, less the ones it deletes. That row is due (a waiting one at
+    -- once); the rest of the key waits behind it without a due time.
+    SELECT k.subscriber, k.aggregate_type, k.aggregate_id,
+           least(
+               -- The first row kept from the key's first row on, in `deliveries_head_idx`,
+               -- when it is the key's. (A row comparison, not equalities: with the key's
+               -- columns equal to values, its order would be the events' alone, which the
+               -- events' index and the primary key serve too, reading every delivery, or
+               -- every delivery of the subscriber, before the key's, under a plan that
+               -- believes the table empty. A row of the aggregate's id under another type is
+               -- passed over; a row of another key ends the probe.)
+               (SELECT CASE WHEN h.subscriber = k.subscriber AND h.aggregate_id = k.aggregate_id
+                       THEN h.event_id END
+                FROM {deliveries} AS h
+                WHERE (h.subscriber, h.aggregate_id) >= (k.subscriber, k.aggregate_id)
+                  AND (h.aggregate_type = k.aggregate_type OR h.subscriber <> k.subscriber
+                       OR h.aggregate_id <> k.aggregate_id)
+                  AND (h.subscriber, h.event_id) NOT IN (
+                      SELECT g.subscriber, g.event_id FROM gone_rows AS g)
+                ORDER BY h.subscriber, h.aggregate_id, h.event_id LIMIT 1),
+               k.first_new) AS event_id
+    FROM keys AS k
     WHERE (SELECT live FROM live)
 ),
 delivered AS (
     DELETE FROM {deliveries} AS d
-    USING gone_rows AS x
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
-      AND d.event_id = ANY($9::int8[]) AND (SELECT live FROM live)
+    WHERE d.event_id = ANY($9::int8[])
+      AND NOT ((d.subscriber, d.event_id) NOT IN (
+          SELECT g.subscriber, g.event_id FROM gone_rows AS g))
+      AND (d.claim_id = $1) IS TRUE AND (SELECT live FROM live)
 ),
 upserted AS (
     INSERT INTO {deliveries} AS d
@@ -662,8 +685,8 @@ upserted AS (
     SELECT x.event_id, x.subscriber, x.aggregate_type, x.aggregate_id, x.attempts, x.error,
            CASE
                WHEN x.delay IS NOT NULL THEN now() + x.delay * interval '1 second'
-               WHEN x.event_id IN (SELECT h.event_id FROM heads AS h
-                                   WHERE h.subscriber = x.subscriber) THEN now()
+               WHEN (x.subscriber, x.event_id) IN (
+                   SELECT h.subscriber, h.event_id FROM heads AS h) THEN now()
            END,
            CASE WHEN x.dead THEN now() END
     FROM new_rows AS x
@@ -675,12 +698,13 @@ upserted AS (
 released_deliveries AS (
     UPDATE {deliveries} AS d SET claim_id = NULL,
         next_retry_at = CASE
-            WHEN d.next_retry_at IS NULL AND d.event_id IN (
-                SELECT h.event_id FROM heads AS h WHERE h.subscriber = d.subscriber)
+            WHEN d.next_retry_at IS NULL AND (d.subscriber, d.event_id) IN (
+                SELECT h.subscriber, h.event_id FROM heads AS h)
             THEN now() ELSE d.next_retry_at END
-    FROM released_rows AS x
-    WHERE d.subscriber = x.subscriber AND d.event_id = x.event_id AND d.claim_id = $1
-      AND d.event_id = ANY($19::int8[]) AND (SELECT live FROM live)
+    WHERE d.event_id = ANY($19::int8[])
+      AND NOT ((d.subscriber, d.event_id) NOT IN (
+          SELECT r.subscriber, r.event_id FROM released_rows AS r))
+      AND (d.claim_id = $1) IS TRUE AND (SELECT live FROM live)
 ),
 promoted AS (
     -- Rows that this record made the first of their key (the rows before them were
@@ -689,15 +713,12 @@ promoted AS (
     -- are wrapped so that they cannot pick the due index instead, whose entries without a
     -- due time are every waiting row.)
     UPDATE {deliveries} AS d SET next_retry_at = now()
-    FROM (
-        SELECT h.subscriber, h.event_id FROM heads AS h
-        WHERE NOT EXISTS (SELECT 1 FROM new_rows AS n
-                          WHERE n.subscriber = h.subscriber AND n.event_id = h.event_id)
-          AND NOT EXISTS (SELECT 1 FROM released_rows AS r
-                          WHERE r.subscriber = h.subscriber AND r.event_id = h.event_id)
-    ) AS p
-    WHERE d.subscriber = p.subscriber AND d.event_id = p.event_id
-      AND d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
+    WHERE d.event_id = ANY(ARRAY(SELECT h.event_id FROM heads AS h))
+      AND NOT ((d.subscriber, d.event_id) NOT IN (
+          SELECT h.subscriber, h.event_id FROM heads AS h WHERE h.event_id IS NOT NULL))
+      AND (d.subscriber, d.event_id) NOT IN (SELECT n.subscriber, n.event_id FROM new_rows AS n)
+      AND (d.subscriber, d.event_id) NOT IN (
+          SELECT r.subscriber, r.event_id FROM released_rows AS r)
       AND (d.next_retry_at IS NULL AND d.dead_at IS NULL) IS TRUE
 )
 SELECT live FROM live"#
@@ -4458,6 +4479,209 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(due, KEYS);
+    }
+
+    /// A record of a batch that failed everywhere (its subscribers down) writes a delivery row
+    /// per subscriber and event: 6 000 here, the first of each key due for a retry, the rest
+    /// waiting behind it, beside 1 000 deliveries done, 1 000 given back, 500 events parked and
+    /// 500 dead. It compared the rows it writes with its keys, each with each (59 million rows
+    /// of work, 5 s). Its work grows with the rows it records, not with their square, whatever
+    /// its plan: the generic one made while the tables were empty (as a relay's first records
+    /// make it) or one made for these rows, for a record of the whole claim or of part of it.
+    #[tokio::test]
+    async fn a_records_work_grows_with_its_rows_not_their_square_whatever_its_plan() {
+        for mode in ["force_generic_plan", "force_custom_plan"] {
+            for part in [false, true] {
+                record_of_a_batch_that_failed_everywhere(mode, part).await;
+            }
+        }
+    }
+
+    async fn record_of_a_batch_that_failed_everywhere(mode: &str, part: bool) {
+        const AGGREGATES: i64 = 1_000;
+        const STALLED: i64 = 500;
+        let db = migrated().await;
+        sqlx::raw_sql("VACUUM").execute(&db.pool).await.unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let (name, statement) = if part {
+            ("record_part", &queries.record_part)
+        } else {
+            ("record", &queries.record)
+        };
+        let mut conn = db.pool.acquire().await.unwrap();
+        let claim = "INSERT INTO events.outbox_claims (id, until, event_ids, aggregate_types,
+                                                       aggregate_ids)
+                     VALUES (1, now() + interval '1 hour', '{}', '{}', '{}')
+                     ON CONFLICT (id) DO NOTHING";
+        let empty = "'{}', ".repeat(17);
+        let empty = if part {
+            format!("{empty}'{{1}}'")
+        } else {
+            empty.trim_end_matches(", ").to_owned()
+        };
+        let args = format!("(1, '{{1, 2, 3}}', {empty})");
+        let begin = (&queries.record_begin, claim);
+        plan_generic(&mut conn, name, "", statement, begin, &args).await;
+        sqlx::raw_sql(AssertSqlSafe(format!("SET plan_cache_mode = {mode}")))
+            .execute(&mut *conn)
+            .await
+            .unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "{claim};
+             -- The batch: two events of each aggregate, then events to park and dead ones, all
+             -- in the claim.
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', md5('a' || g % {AGGREGATES})::uuid, 'E', '{{}}'
+             FROM generate_series(0, 2 * {AGGREGATES} - 1) AS g;
+             INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT t, gen_random_uuid(), 'E', '{{}}'
+             FROM generate_series(1, {STALLED}), unnest('{{p, x}}'::text[]) AS t;
+             UPDATE events.outbox_claims
+             SET event_ids = o.ids, aggregate_types = o.types, aggregate_ids = o.aggregates
+             FROM (SELECT array_agg(id ORDER BY id) AS ids,
+                          array_agg(aggregate_type ORDER BY id) AS types,
+                          array_agg(aggregate_id ORDER BY id) AS aggregates
+                   FROM events.outbox) AS o;
+             -- Keys of subscribers 'up' and 'back' whose first delivery the claim took, ten
+             -- more waiting behind each.
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, published_at)
+             SELECT 'd', md5('d' || g % {AGGREGATES})::uuid, 'E', '{{}}', now()
+             FROM generate_series(0, 11 * {AGGREGATES} - 1) AS g;
+             INSERT INTO events.outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, attempts, next_retry_at,
+                  claim_id)
+             SELECT o.id, s, 'd', o.aggregate_id, 1, CASE WHEN first THEN now() END,
+                    CASE WHEN first THEN 1 END
+             FROM (SELECT id, aggregate_id,
+                          row_number() OVER (PARTITION BY aggregate_id ORDER BY id) = 1 AS first
+                   FROM events.outbox WHERE aggregate_type = 'd') AS o,
+                  unnest('{{up, back}}'::text[]) AS s;"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        // The record's arguments after the claim, as literals: events published, parked (a
+        // reason, a delay), dead (a reason), deliveries done, rows to write, deliveries given
+        // back, and for a record of part, the events it names.
+        let events = |of: &str, what: &str| {
+            format!(
+                "SELECT array_agg({what} ORDER BY id) FROM events.outbox WHERE aggregate_type {of}"
+            )
+        };
+        let new = |what: &str| {
+            format!(
+                "SELECT array_agg({what} ORDER BY o.id, s)
+                 FROM (SELECT id, aggregate_id,
+                              row_number() OVER (PARTITION BY aggregate_id ORDER BY id) = 1
+                                  AS first
+                       FROM events.outbox WHERE aggregate_type = 'a') AS o,
+                      unnest('{{one, two, three}}'::text[]) AS s"
+            )
+        };
+        let taken = |by: &str, what: &str| {
+            format!(
+                "SELECT array_agg({what} ORDER BY event_id) FROM events.outbox_deliveries
+                 WHERE claim_id = 1 AND subscriber = '{by}'"
+            )
+        };
+        let mut arguments = vec![
+            events("= 'a'", "id"),
+            events("= 'p'", "id"),
+            events("= 'p'", "'unreadable'::text"),
+            events("= 'p'", "id % 7 + 0.5"),
+            events("= 'x'", "id"),
+            events("= 'x'", "'x' || id"),
+            taken("up", "subscriber"),
+            taken("up", "event_id"),
+            new("id"),
+            new("s"),
+            new("'a'::text"),
+            new("aggregate_id"),
+            new("first::int"),
+            new("CASE WHEN first THEN 'down' END"),
+            new("CASE WHEN first THEN 60 END"),
+            new("false"),
+            taken("back", "subscriber"),
+            taken("back", "event_id"),
+        ];
+        if part {
+            arguments.push(events("IN ('a', 'p', 'x')", "id"));
+        }
+        let select = arguments
+            .iter()
+            .map(|a| format!("quote_literal(({a})::text)"))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let row = sqlx::query(AssertSqlSafe(format!("SELECT {select}")))
+            .fetch_one(&db.pool)
+            .await
+            .unwrap();
+        let arguments: Vec<String> = (0..row.len()).map(|i| row.get(i)).collect();
+        let execute = format!("{name}(1, {})", arguments.join(", "));
+        conn.execute(sqlx::raw_sql(queries.record_begin.clone()))
+            .await
+            .unwrap();
+        let plan = explain_execute(&mut conn, &execute).await;
+        conn.execute("COMMIT").await.unwrap();
+        assert_eq!(plan["Actual Rows"], 1, "{plan:#}");
+        let recorded = 2 * AGGREGATES + 2 * STALLED + AGGREGATES + AGGREGATES + 6 * AGGREGATES;
+        let work = work_of(&plan);
+        assert!(
+            work <= (20 * recorded) as f64,
+            "{mode} {name}: a record of {recorded} rows did the work of {work} rows: {plan:#}"
+        );
+        // What it recorded: every key's first row due, the rest waiting behind it; the events
+        // published, parked, dead.
+        let rows: Vec<(String, i64, i64)> = sqlx::query_as(
+            "SELECT subscriber, count(*) FILTER (WHERE next_retry_at IS NOT NULL),
+                    count(*) FILTER (WHERE next_retry_at IS NULL)
+             FROM events.outbox_deliveries GROUP BY 1 ORDER BY 1",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        let keys = AGGREGATES;
+        assert_eq!(
+            rows,
+            [
+                ("back".into(), keys, 10 * keys),
+                ("one".into(), keys, keys),
+                ("three".into(), keys, keys),
+                ("two".into(), keys, keys),
+                ("up".into(), keys, 9 * keys),
+            ],
+            "{mode} {name}"
+        );
+        let events: Vec<(String, i64, i64, i64, i64)> = sqlx::query_as(
+            "SELECT aggregate_type, count(published_at), count(dead_at),
+                    count(*) FILTER (WHERE last_error = CASE aggregate_type
+                        WHEN 'p' THEN 'unreadable' ELSE 'x' || id END),
+                    -- (Parked for its delay from the record's time, its events' publication.)
+                    count(*) FILTER (WHERE retry_count = 1 AND next_retry_at
+                        = (SELECT max(published_at) FROM events.outbox)
+                          + (id % 7 + 0.5) * interval '1 second')
+             FROM events.outbox WHERE aggregate_type IN ('a', 'p', 'x') GROUP BY 1 ORDER BY 1",
+        )
+        .fetch_all(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(
+            events,
+            [
+                ("a".into(), 2 * AGGREGATES, 0, 0, 0),
+                ("p".into(), 0, 0, STALLED, STALLED),
+                ("x".into(), 0, STALLED, STALLED, 0),
+            ],
+            "{mode} {name}"
+        );
+        // A record of part leaves its claim live, with none of the events it named.
+        let left: Option<Vec<i64>> =
+            sqlx::query_scalar("SELECT event_ids FROM events.outbox_claims WHERE id = 1")
+                .fetch_optional(&db.pool)
+                .await
+                .unwrap();
+        assert_eq!(left, part.then(Vec::new), "{mode} {name}");
     }
 
     /// A publication time other SQL wrote as -infinity stops no purge: that row is kept, the
