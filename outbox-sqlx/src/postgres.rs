@@ -379,6 +379,15 @@ SELECT set_config('synchronous_commit', 'off', true),
 /// server would compile the statement at every execution (the status then took 5 s).
 const BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 
+/// The most keys a record locks one by one; a record of more takes the lock of all keys alone.
+///
+/// Records that write deliveries of the same key take turns (`lock_keys`). The server's lock
+/// table holds `max_locks_per_transaction` (64 by default) times `max_connections` locks for
+/// all sessions together, and a record of 20 000 keys (a batch failing for five subscribers)
+/// ran out of it at every try. A record of more keys than this holds the lock of all keys
+/// alone, and waits for the records of fewer, which hold it shared beside their keys' locks.
+const MAX_KEY_LOCKS: usize = 1000;
+
 /// How long a claimer waits for the claim lock before it gives up and tries again.
 const LOCK_TIMEOUT: &str = "3s";
 /// The longest a claim statement may run.
@@ -509,6 +518,10 @@ impl Backend for Postgres {
         // Writers of a (subscriber, aggregate) key's deliveries take a two-key lock in their
         // own namespace (publishers lock aggregates under the table's namespace itself).
         let keys_lock = !names.lock_namespace();
+        // And, before those, the lock of all the keys of these tables (`lock_keys`): one-key,
+        // beyond the range of the one-key locks of claims and partition workers (twice a
+        // namespace, and one more).
+        let all_keys_lock = (i64::from(names.lock_namespace()) << 1) + (1 << 40);
         // The columns the relay reads of a claimed event, in `claim_from_row`'s order after the
         // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at. The time is
         // read as microseconds since the epoch (NULL when not finite): sqlx's decoder panics
@@ -805,18 +818,30 @@ FROM events AS e, deliveries AS d"#
             by_index_begin: sql(format!("BEGIN ISOLATION LEVEL READ COMMITTED; {BY_INDEX}")),
             lock_keys: sql(format!(
                 r#"
-SELECT count(pg_advisory_xact_lock({keys_lock}, k)) FROM (
+WITH keys AS MATERIALIZED (
     SELECT DISTINCT hashtext(x.subscriber || '/' || x.aggregate_type || '/' || x.aggregate_id)
         AS k
     FROM unnest($1::text[], $2::text[], $3::uuid[]) AS x(subscriber, aggregate_type, aggregate_id)
-    ORDER BY 1
-) AS keys"#
+),
+whole AS MATERIALIZED (
+    -- The lock of all keys first: alone for more than {MAX_KEY_LOCKS} keys, shared otherwise.
+    SELECT m.many FROM (SELECT count(*) > {MAX_KEY_LOCKS} AS many FROM keys) AS m
+    CROSS JOIN LATERAL (
+        SELECT pg_advisory_xact_lock({all_keys_lock}) WHERE m.many
+        UNION ALL
+        SELECT pg_advisory_xact_lock_shared({all_keys_lock}) WHERE NOT m.many
+    ) AS l
+)
+SELECT count(pg_advisory_xact_lock({keys_lock}, k.k))
+FROM whole AS w
+CROSS JOIN LATERAL (SELECT k.k FROM keys AS k WHERE NOT w.many ORDER BY k.k) AS k"#
             )),
             lock_delivery_key: sql(format!(
                 r#"
 SELECT pg_advisory_xact_lock({keys_lock},
            hashtext(subscriber || '/' || aggregate_type || '/' || aggregate_id))
-FROM {deliveries} WHERE event_id = $1 AND subscriber = $2"#
+FROM {deliveries}, pg_advisory_xact_lock_shared({all_keys_lock}) AS whole
+WHERE event_id = $1 AND subscriber = $2"#
             )),
             locked_begin: sql(format!(
                 "BEGIN ISOLATION LEVEL READ COMMITTED;
@@ -4686,6 +4711,119 @@ mod tests {
                 .await
                 .unwrap();
         assert_eq!(left, part.then(Vec::new), "{mode} {name}");
+    }
+
+    /// A record takes a lock per key it writes deliveries of (records of one key take turns),
+    /// and the server's lock table holds about ten thousand locks, for every session at once
+    /// (64 a connection by default): a batch failing for five subscribers over 4 000
+    /// aggregates, 20 000 keys, failed to record ("out of shared memory") at every try, and
+    /// its events came back to be delivered again, for ever. A record of that many keys takes
+    /// one lock for them all (and waits for the records of few keys, which take it shared).
+    #[tokio::test]
+    async fn a_record_of_more_keys_than_the_server_can_lock_is_applied() {
+        const EVENTS: u32 = 4_000;
+        const SUBSCRIBERS: usize = 5;
+        let db = migrated().await;
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}' FROM generate_series(1, {EVENTS})"
+        )))
+        .execute(&db.pool)
+        .await
+        .unwrap();
+        let queries = Postgres::queries(&TableNames::default());
+        let batch = Postgres::claim(
+            &db.pool,
+            &queries,
+            EVENTS,
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
+        let mut outcomes = Outcomes::default();
+        for claim in &batch.claims {
+            let Claim::Event { event, .. } = claim else {
+                panic!("only events wait: {claim:?}");
+            };
+            outcomes.events.push((event.id, EventOutcome::Published));
+            for subscriber in 0..SUBSCRIBERS {
+                outcomes.deliveries.push(DeliveryRecord {
+                    event_id: event.id,
+                    aggregate_type: event.aggregate_type.clone(),
+                    aggregate_id: event.aggregate_id,
+                    subscriber: format!("s{subscriber}"),
+                    outcome: DeliveryOutcome::Retry {
+                        attempts: 1,
+                        error: "down".into(),
+                        retry_in: Duration::from_secs(60),
+                    },
+                });
+            }
+        }
+        assert_eq!(outcomes.events.len(), EVENTS as usize);
+        let recorded = Postgres::record(&db.pool, &queries, batch.token, &outcomes, false).await;
+        assert_eq!(recorded.unwrap(), Recorded::Applied);
+        let rows: i64 = sqlx::query_scalar(
+            "SELECT count(*) FROM events.outbox_deliveries WHERE next_retry_at IS NOT NULL",
+        )
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+        assert_eq!(rows, i64::from(EVENTS) * SUBSCRIBERS as i64);
+    }
+
+    /// Records of many keys and records of a few take turns: one holds the lock of all keys, the
+    /// others that lock shared; records of a few keys take turns only on the keys they share.
+    #[tokio::test]
+    async fn records_of_many_keys_wait_for_records_of_few_and_the_other_way_round() {
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let one = Uuid::new_v4();
+        let keys = |n: usize, first: Uuid| {
+            let ids: Vec<Uuid> = std::iter::once(first)
+                .chain(std::iter::repeat_with(Uuid::new_v4))
+                .take(n)
+                .collect();
+            (vec!["s"; n], vec!["a"; n], ids)
+        };
+        // Whether a transaction can lock `second`'s keys while another holds `first`'s.
+        let waits = async |first: usize, first_key: Uuid, second: usize, second_key: Uuid| {
+            let mut held = db.pool.begin().await.unwrap();
+            let (s, t, a) = keys(first, first_key);
+            let query = sqlx::query(queries.lock_keys.clone());
+            query
+                .bind(s)
+                .bind(t)
+                .bind(a)
+                .execute(&mut *held)
+                .await
+                .unwrap();
+            let mut other = db.pool.begin().await.unwrap();
+            other
+                .execute("SET LOCAL lock_timeout = '100ms'")
+                .await
+                .unwrap();
+            let (s, t, a) = keys(second, second_key);
+            let query = sqlx::query(queries.lock_keys.clone());
+            let locked = query.bind(s).bind(t).bind(a).execute(&mut *other).await;
+            other.rollback().await.unwrap();
+            held.rollback().await.unwrap();
+            match locked {
+                Ok(_) => false,
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        let many = MAX_KEY_LOCKS + 1;
+        assert!(waits(1, one, many, Uuid::new_v4()).await, "many after few");
+        assert!(waits(many, Uuid::new_v4(), 1, one).await, "few after many");
+        assert!(waits(1, one, 3, one).await, "a key in common");
+        assert!(!waits(1, one, 3, Uuid::new_v4()).await, "no key in common");
+        assert!(
+            !waits(MAX_KEY_LOCKS, one, 3, Uuid::new_v4()).await,
+            "as many as are locked"
+        );
     }
 
     /// A publication time other SQL wrote as -infinity stops no purge: that row is kept, the
