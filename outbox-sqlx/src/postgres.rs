@@ -1070,7 +1070,9 @@ marks AS MATERIALIZED (
                     '{{}}') AS by
     FROM decided AS m
     WHERE (m.mark_by IS NOT NULL OR m.mark_behind IS NOT NULL)
-      AND m.id <> ALL(ARRAY(SELECT g.id FROM gone_events AS g))
+      -- (A hash lookup: `<> ALL` of an array compares each event with every event of the
+      -- claims that expired.)
+      AND m.id NOT IN (SELECT g.id FROM gone_events AS g WHERE g.id IS NOT NULL)
 ),
 marked AS (
     -- (`= ANY` of a value computed once: a primary-key lookup per event, whatever the plan.)
@@ -1175,7 +1177,8 @@ claimed_events AS (
     SELECT (SELECT id FROM claim), c.id, c.aggregate_type, c.aggregate_id, c.event_type,
            c.payload, c.occurred_at, c.retry_count,
            -- Counting the claim of it that expired just now.
-           c.expired_claims + (c.id = ANY(ARRAY(SELECT g.id FROM gone_events AS g)))::int4,
+           c.expired_claims
+               + (c.id IN (SELECT g.id FROM gone_events AS g WHERE g.id IS NOT NULL))::int4,
            NULL::text,
            -- The subscribers that hold an earlier event of its aggregate beyond the rows this
            -- claim takes of their key (those run first, in the subscriber's queue): those whose
