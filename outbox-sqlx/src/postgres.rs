@@ -7,7 +7,7 @@ use std::time::Duration;
 use outbox_core::StoredEvent;
 use outbox_core::store::{
     Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    Recorded, Registry, Status,
+    REGISTRATION_TTL, Recorded, Registry, Status,
 };
 use std::sync::{Mutex, PoisonError, Weak};
 
@@ -386,6 +386,10 @@ const BY_INDEX: &str = "SET LOCAL enable_seqscan = off; SET LOCAL jit = off";
 /// all sessions together, and a record of 20 000 keys (a batch failing for five subscribers)
 /// ran out of it at every try. A record of more keys than this holds the lock of all keys
 /// alone, and waits for the records of fewer, which hold it shared beside their keys' locks.
+///
+/// Relays of builds before this lock existed take only their keys' locks: while one of them is
+/// live in the registry (a rolling deploy), a record of many keys takes each key's lock as
+/// they do, so that theirs and it still take turns (and may run out of locks as they would).
 const MAX_KEY_LOCKS: usize = 1000;
 
 /// How long a claimer waits for the claim lock before it gives up and tries again.
@@ -522,6 +526,7 @@ impl Backend for Postgres {
         // beyond the range of the one-key locks of claims and partition workers (twice a
         // namespace, and one more).
         let all_keys_lock = (i64::from(names.lock_namespace()) << 1) + (1 << 40);
+        let registration_ttl = REGISTRATION_TTL.as_secs();
         // The columns the relay reads of a claimed event, in `claim_from_row`'s order after the
         // token: id, aggregate_type, aggregate_id, event_type, payload, occurred_at. The time is
         // read as microseconds since the epoch (NULL when not finite): sqlx's decoder panics
@@ -825,7 +830,17 @@ WITH keys AS MATERIALIZED (
 ),
 whole AS MATERIALIZED (
     -- The lock of all keys first: alone for more than {MAX_KEY_LOCKS} keys, shared otherwise.
-    SELECT m.many FROM (SELECT count(*) > {MAX_KEY_LOCKS} AS many FROM keys) AS m
+    -- Not alone while a relay of a build before relay protocol 1 is live (its registered
+    -- routing has no "protocol"): such a relay's records take each key's lock only, so this
+    -- one does too (they would not take turns otherwise).
+    SELECT m.many FROM (
+        SELECT count(*) > {MAX_KEY_LOCKS}
+               AND NOT EXISTS (
+                   SELECT 1 FROM {relays} AS r
+                   WHERE r.seen_at >= now() - interval '{registration_ttl} seconds'
+                     AND NOT (r.routing::jsonb ? 'protocol'))
+            AS many
+        FROM keys) AS m
     CROSS JOIN LATERAL (
         SELECT pg_advisory_xact_lock({all_keys_lock}) WHERE m.many
         UNION ALL
@@ -4826,6 +4841,83 @@ mod tests {
         assert!(
             !waits(MAX_KEY_LOCKS, one, 3, Uuid::new_v4()).await,
             "as many as are locked"
+        );
+    }
+
+    /// While a relay of a build before the lock of all keys is live (its registration has no
+    /// relay protocol), a record of many keys takes each key's lock, as that relay's records
+    /// do: both take turns on the keys they share. Once it is gone (or its registration
+    /// expired), the lock of all keys again.
+    #[tokio::test]
+    async fn a_record_of_many_keys_takes_each_keys_lock_while_an_earlier_build_is_live() {
+        let db = migrated().await;
+        let queries = Postgres::queries(&TableNames::default());
+        let one = Uuid::new_v4();
+        let many = MAX_KEY_LOCKS + 1;
+        let ids: Vec<Uuid> = std::iter::once(one)
+            .chain(std::iter::repeat_with(Uuid::new_v4))
+            .take(many)
+            .collect();
+        // Whether a record of `many` keys, `one`'s among them, waits for an earlier build's
+        // record of `one` (which takes that key's lock alone), and whether it took each lock.
+        let waits_for_an_earlier_record = async || {
+            let mut earlier = db.pool.begin().await.unwrap();
+            sqlx::query(
+                "SELECT pg_advisory_xact_lock($1, hashtext('s' || '/' || 'a' || '/' || $2::text))",
+            )
+            .bind(!TableNames::default().lock_namespace())
+            .bind(one)
+            .execute(&mut *earlier)
+            .await
+            .unwrap();
+            let mut record = db.pool.begin().await.unwrap();
+            record
+                .execute("SET LOCAL lock_timeout = '100ms'")
+                .await
+                .unwrap();
+            let locked = sqlx::query(queries.lock_keys.clone())
+                .bind(vec!["s"; many])
+                .bind(vec!["a"; many])
+                .bind(&ids)
+                .execute(&mut *record)
+                .await;
+            record.rollback().await.unwrap();
+            earlier.rollback().await.unwrap();
+            match locked {
+                Ok(_) => false,
+                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
+                Err(e) => panic!("{e}"),
+            }
+        };
+        assert!(
+            !waits_for_an_earlier_record().await,
+            "no relay registered: the lock of all keys, which an earlier build does not take"
+        );
+        let register = async |routing: &str, age: &str| {
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO events.outbox_relays (id, routing, seen_at)
+                 VALUES ($1, $2, now() - interval '{age}')"
+            )))
+            .bind(Uuid::new_v4())
+            .bind(routing)
+            .execute(&db.pool)
+            .await
+            .unwrap();
+        };
+        register(r#"{"events": [], "subscribers": [], "protocol": 1}"#, "0 s").await;
+        assert!(
+            !waits_for_an_earlier_record().await,
+            "a relay of this protocol is live"
+        );
+        register(r#"{"events": [], "subscribers": []}"#, "1 minute").await;
+        assert!(
+            !waits_for_an_earlier_record().await,
+            "an earlier build's registration expired"
+        );
+        register(r#"{"events": [], "subscribers": []}"#, "0 s").await;
+        assert!(
+            waits_for_an_earlier_record().await,
+            "an earlier build is live: each key's lock"
         );
     }
 

@@ -205,6 +205,15 @@ async fn a_rolling_deploy_delivers_everything_promptly() {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Each registered the relay protocol its build keeps to (a record of many keys on
+    // PostgreSQL takes each key's lock while a relay registered without one is live).
+    let without_protocol: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM events.outbox_relays WHERE NOT (routing::jsonb ? 'protocol')",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(without_protocol, 0);
 
     // Producers of both builds commit at once, on the same orders.
     let orders: Vec<Uuid> = (0..ORDERS).map(|_| Uuid::new_v4()).collect();

@@ -33,6 +33,14 @@ use crate::store::{ClaimFilter, REGISTRATION_TTL, Registry, Store};
 /// How often a relay renews its registration and reads the others'.
 pub(crate) const HEARTBEAT: Duration = Duration::from_secs(10);
 
+/// How this build's relays work with the others on the same tables, registered with its
+/// routing (`"protocol"`), so that a store can keep to what relays of earlier builds expect
+/// while one is live. Builds whose registration has no protocol are earlier than 1.
+///
+/// 1: a record of many delivery keys on PostgreSQL may take one lock of all keys instead of
+/// each key's own (earlier builds take only each key's, so a store does so while one is live).
+pub(crate) const RELAY_PROTOCOL: u32 = 1;
+
 /// What this relay knows of the other builds.
 #[derive(Debug, Default, Clone)]
 pub(super) struct Others {
@@ -169,7 +177,7 @@ impl Builds {
 }
 
 /// What a build registers: `{"events": [{"type", "formerly", "version", "subscribers"}],
-/// "subscribers": [{"name", "formerly"}]}`.
+/// "subscribers": [{"name", "formerly"}], "protocol": RELAY_PROTOCOL}`.
 pub(crate) fn routing_json(catalog: &Catalog) -> Value {
     let events: Vec<Value> = catalog
         .events()
@@ -188,7 +196,7 @@ pub(crate) fn routing_json(catalog: &Catalog) -> Value {
         .iter()
         .map(|s| json!({"name": s.name, "formerly": s.formerly}))
         .collect();
-    json!({"events": events, "subscribers": subscribers})
+    json!({"events": events, "subscribers": subscribers, "protocol": RELAY_PROTOCOL})
 }
 
 fn names(value: &Value, current: &str) -> Vec<String> {
