@@ -40,6 +40,13 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
         events: &[NewEvent],
     ) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
+    /// The error of a publish of `events` events that failed with `error`.
+    #[doc(hidden)]
+    fn publish_error(error: sqlx::Error, events: usize) -> Error {
+        let _ = events;
+        Error::Database(error)
+    }
+
     /// Whether [`claim`](Self::claim) honours [`ClaimFilter::take_over`].
     #[doc(hidden)]
     const CLAIMS_TAKE_OVER: bool = false;

@@ -41,6 +41,27 @@ pub enum Error {
         /// The last migration this build knows.
         known: i32,
     },
+    /// A transaction published for more aggregates than the database server can lock at once;
+    /// the transaction can only be rolled back (nothing of it is kept).
+    ///
+    /// On PostgreSQL, publishing locks each aggregate until the transaction ends (so that ids
+    /// follow commit order within an aggregate), in the server's lock table, which holds about
+    /// `max_locks_per_transaction` x `max_connections` locks for all sessions together (about
+    /// ten thousand on a default server). Publish a bulk import in transactions of a few
+    /// thousand aggregates at most, or raise `max_locks_per_transaction`.
+    #[error(
+        "publishing {events} more events ran out of the database server's lock table: a \
+         transaction holds one lock per aggregate it publishes for, and the server holds about \
+         max_locks_per_transaction x max_connections locks for all sessions; publish them in \
+         smaller transactions (a few thousand aggregates each), or raise \
+         max_locks_per_transaction ({source})"
+    )]
+    TooManyAggregates {
+        /// The events of the publish that failed.
+        events: usize,
+        /// The server's error.
+        source: sqlx::Error,
+    },
     /// Other transactions held the outbox's events table for as long as an operation that must
     /// lock it for a moment (partitioning it) was willing to wait; nothing was changed.
     #[error(

@@ -1494,6 +1494,20 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         migrate_to(pool, names, MIGRATIONS.last().map_or(0, |m| m.0)).await
     }
 
+    fn publish_error(error: sqlx::Error, events: usize) -> Error {
+        // (53200: out of shared memory, which a lock the server's lock table has no room for
+        // raises; an insert takes no other.)
+        match &error {
+            sqlx::Error::Database(e) if e.code().as_deref() == Some("53200") => {
+                Error::TooManyAggregates {
+                    events,
+                    source: error,
+                }
+            }
+            _ => Error::Database(error),
+        }
+    }
+
     async fn insert(
         conn: &mut PgConnection,
         queries: &PgQueries,

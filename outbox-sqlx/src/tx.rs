@@ -256,6 +256,13 @@ impl<DB: Backend, R, S: State> OutboxTx<'_, DB, R, S> {
 
     /// Publishes `events` in this transaction, in order, in one statement, with the
     /// transaction's metadata.
+    ///
+    /// On PostgreSQL a transaction locks each aggregate it publishes for until it ends, in the
+    /// server's lock table (about `max_locks_per_transaction` x `max_connections` locks for
+    /// all sessions: about ten thousand on a default server). Publish a bulk import in
+    /// transactions of a few thousand aggregates at most: beyond what the table holds, the
+    /// publish fails with [`Error::TooManyAggregates`] and the transaction can only be rolled
+    /// back.
     pub fn publish_all<'e, E>(
         &mut self,
         events: impl IntoIterator<Item = &'e E>,
@@ -361,7 +368,9 @@ impl<DB: Backend, R, S: State> OutboxTx<'_, DB, R, S> {
                 return Ok(());
             }
             let connection = S::connection::<DB>(&mut self.inner);
-            DB::insert(connection, self.outbox.queries(), &rows).await?;
+            DB::insert(connection, self.outbox.queries(), &rows)
+                .await
+                .map_err(|error| DB::publish_error(error, rows.len()))?;
             self.published += rows.len() as u64;
             Ok(())
         })

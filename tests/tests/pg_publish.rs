@@ -5,7 +5,9 @@
 use outbox_sqlx::{Outbox, TableNames};
 use outbox_tests::kit::{Everything, Ping};
 use outbox_tests::pg::TestDb;
+use outbox_tests::server::PrivateServer;
 use sqlx::Postgres;
+use sqlx::postgres::PgPoolOptions;
 use uuid::Uuid;
 
 type TestOutbox = Outbox<Postgres, Everything>;
@@ -141,4 +143,59 @@ async fn publishers_of_one_aggregate_take_ids_in_commit_order() {
     .await
     .unwrap();
     assert_eq!(order, [(a, 1), (a, 2)]);
+}
+
+/// Pings for `n` new aggregates.
+fn pings(n: usize) -> Vec<Ping> {
+    (0..n)
+        .map(|_| Ping {
+            aggregate: Uuid::new_v4(),
+            seq: 1,
+        })
+        .collect()
+}
+
+/// A transaction publishing for more aggregates than the server's lock table holds (one
+/// advisory lock each until it ends, in a table all sessions share) fails with an error that
+/// says so and what to do; nothing of it is kept, and smaller transactions publish as before.
+/// On a server of this test's own: filling the shared one's lock table would fail the tests
+/// running beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_publishing_for_more_aggregates_than_the_server_can_lock_fails_clearly() {
+    let server = tokio::task::spawn_blocking(PrivateServer::start)
+        .await
+        .unwrap();
+    let pool = PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&server.url())
+        .await
+        .unwrap();
+    let outbox: TestOutbox = Outbox::new(pool.clone());
+    outbox.migrate().await.unwrap();
+    let mut tx = outbox.begin().await.unwrap();
+    let error = tx.publish_all(&pings(20_000)).await.unwrap_err();
+    assert!(
+        matches!(
+            error,
+            outbox_sqlx::Error::TooManyAggregates { events: 20_000, .. }
+        ),
+        "{error:?}"
+    );
+    let message = error.to_string();
+    for says in [
+        "one lock per aggregate",
+        "smaller transactions",
+        "max_locks_per_transaction",
+    ] {
+        assert!(message.contains(says), "{message}");
+    }
+    tx.rollback().await.unwrap();
+    let mut tx = outbox.begin().await.unwrap();
+    tx.publish_all(&pings(1_000)).await.unwrap();
+    tx.commit().await.unwrap();
+    let count: i64 = sqlx::query_scalar("SELECT count(*) FROM events.outbox")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(count, 1_000);
 }
