@@ -50,7 +50,7 @@ pub enum Error {
     /// ten thousand on a default server). Publish a bulk import in transactions of a few
     /// thousand aggregates at most, or raise `max_locks_per_transaction`.
     #[error(
-        "publishing {events} more events ran out of the database server's lock table: a \
+        "a publish of {events} events ran out of the database server's lock table: a \
          transaction holds one lock per aggregate it publishes for, and the server holds about \
          max_locks_per_transaction x max_connections locks for all sessions; publish them in \
          smaller transactions (a few thousand aggregates each), or raise \

@@ -4873,7 +4873,7 @@ mod tests {
             .take(many)
             .collect();
         // Whether a record of `many` keys, `one`'s among them, waits for an earlier build's
-        // record of `one` (which takes that key's lock alone), and whether it took each lock.
+        // record of `one` (which takes that key's lock alone).
         let waits_for_an_earlier_record = async || {
             let mut earlier = db.pool.begin().await.unwrap();
             sqlx::query(
