@@ -4805,6 +4805,41 @@ mod tests {
         assert_eq!(rows, i64::from(EVENTS) * SUBSCRIBERS as i64);
     }
 
+    /// `n` keys of subscriber `s` and aggregate type `a`, the first of aggregate `first`, as
+    /// `lock_keys` takes them.
+    fn keys_from(n: usize, first: Uuid) -> (Vec<&'static str>, Vec<&'static str>, Vec<Uuid>) {
+        let ids = std::iter::once(first)
+            .chain(std::iter::repeat_with(Uuid::new_v4))
+            .take(n)
+            .collect();
+        (vec!["s"; n], vec!["a"; n], ids)
+    }
+
+    /// Whether a record locking `keys` waits (more than 100 ms) for the locks held now.
+    async fn waits_to_lock_keys(
+        pool: &PgPool,
+        queries: &PgQueries,
+        (subscribers, types, ids): (Vec<&str>, Vec<&str>, Vec<Uuid>),
+    ) -> bool {
+        let mut record = pool.begin().await.unwrap();
+        record
+            .execute("SET LOCAL lock_timeout = '100ms'")
+            .await
+            .unwrap();
+        let locked = sqlx::query(queries.lock_keys.clone())
+            .bind(subscribers)
+            .bind(types)
+            .bind(ids)
+            .execute(&mut *record)
+            .await;
+        record.rollback().await.unwrap();
+        match locked {
+            Ok(_) => false,
+            Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
     /// Records of many keys and records of a few take turns: one holds the lock of all keys, the
     /// others that lock shared; records of a few keys take turns only on the keys they share.
     #[tokio::test]
@@ -4812,40 +4847,20 @@ mod tests {
         let db = migrated().await;
         let queries = Postgres::queries(&TableNames::default());
         let one = Uuid::new_v4();
-        let keys = |n: usize, first: Uuid| {
-            let ids: Vec<Uuid> = std::iter::once(first)
-                .chain(std::iter::repeat_with(Uuid::new_v4))
-                .take(n)
-                .collect();
-            (vec!["s"; n], vec!["a"; n], ids)
-        };
         // Whether a transaction can lock `second`'s keys while another holds `first`'s.
         let waits = async |first: usize, first_key: Uuid, second: usize, second_key: Uuid| {
             let mut held = db.pool.begin().await.unwrap();
-            let (s, t, a) = keys(first, first_key);
-            let query = sqlx::query(queries.lock_keys.clone());
-            query
+            let (s, t, a) = keys_from(first, first_key);
+            sqlx::query(queries.lock_keys.clone())
                 .bind(s)
                 .bind(t)
                 .bind(a)
                 .execute(&mut *held)
                 .await
                 .unwrap();
-            let mut other = db.pool.begin().await.unwrap();
-            other
-                .execute("SET LOCAL lock_timeout = '100ms'")
-                .await
-                .unwrap();
-            let (s, t, a) = keys(second, second_key);
-            let query = sqlx::query(queries.lock_keys.clone());
-            let locked = query.bind(s).bind(t).bind(a).execute(&mut *other).await;
-            other.rollback().await.unwrap();
+            let waits = waits_to_lock_keys(&db.pool, &queries, keys_from(second, second_key)).await;
             held.rollback().await.unwrap();
-            match locked {
-                Ok(_) => false,
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
-                Err(e) => panic!("{e}"),
-            }
+            waits
         };
         let many = MAX_KEY_LOCKS + 1;
         assert!(waits(1, one, many, Uuid::new_v4()).await, "many after few");
@@ -4867,12 +4882,7 @@ mod tests {
         let db = migrated().await;
         let queries = Postgres::queries(&TableNames::default());
         let one = Uuid::new_v4();
-        let many = MAX_KEY_LOCKS + 1;
-        let ids: Vec<Uuid> = std::iter::once(one)
-            .chain(std::iter::repeat_with(Uuid::new_v4))
-            .take(many)
-            .collect();
-        // Whether a record of `many` keys, `one`'s among them, waits for an earlier build's
+        // Whether a record of many keys, `one`'s among them, waits for an earlier build's
         // record of `one` (which takes that key's lock alone).
         let waits_for_an_earlier_record = async || {
             let mut earlier = db.pool.begin().await.unwrap();
@@ -4884,24 +4894,10 @@ mod tests {
             .execute(&mut *earlier)
             .await
             .unwrap();
-            let mut record = db.pool.begin().await.unwrap();
-            record
-                .execute("SET LOCAL lock_timeout = '100ms'")
-                .await
-                .unwrap();
-            let locked = sqlx::query(queries.lock_keys.clone())
-                .bind(vec!["s"; many])
-                .bind(vec!["a"; many])
-                .bind(&ids)
-                .execute(&mut *record)
-                .await;
-            record.rollback().await.unwrap();
+            let many = keys_from(MAX_KEY_LOCKS + 1, one);
+            let waits = waits_to_lock_keys(&db.pool, &queries, many).await;
             earlier.rollback().await.unwrap();
-            match locked {
-                Ok(_) => false,
-                Err(sqlx::Error::Database(e)) if e.code().as_deref() == Some("55P03") => true,
-                Err(e) => panic!("{e}"),
-            }
+            waits
         };
         assert!(
             !waits_for_an_earlier_record().await,
