@@ -96,7 +96,7 @@ impl<R> Outbox<Postgres, R> {
     /// moment: a few large partitions, not many small ones. (In the pressure benchmark, with
     /// a window of events a partition, the relay's 99th percentile stayed under 50 ms in every
     /// window, a held snapshot and its release included, and the table came back within 2x of
-    /// its size: README, "Speed", (6).)
+    /// its size: `BENCHMARKS.md`, (6).)
     /// Calling this again on a partitioned table changes the size of the partitions made from
     /// then on.
     ///
