@@ -21,6 +21,7 @@
 //! | `outbox_events_unroutable_count` | gauge | | pending events of a type no live relay routes |
 //! | `outbox_deliveries_unroutable_count` | gauge | | pending deliveries to a subscriber no live relay has |
 //! | `outbox_claims_lost_total` | counter | | batches whose claim expired before the relay recorded them (a relay that stalled past its lease): their outcomes were dropped and the work is delivered again |
+//! | `outbox_store_errors_total` | counter | `operation` | calls of the store that failed, each try counted: `operation` is `claim`, `record` (of a batch or part of one), `renew` (a batch's claim), `register` (the relay's registration: made, renewed or ended), `status` or `purge`. A relay retries them (a broken connection at once, an unreachable store with backoff) and logs them; a rate that stays above zero means its work waits |
 //!
 //! Counters and the histogram are recorded as deliveries happen. Gauges come from the store
 //! ([`Store::status`](crate::Store::status)), read by each running relay every
@@ -80,6 +81,8 @@ pub const UNROUTABLE_EVENTS_COUNT: &str = "outbox_events_unroutable_count";
 pub const UNROUTABLE_DELIVERIES_COUNT: &str = "outbox_deliveries_unroutable_count";
 /// Counter: batches whose claim expired before they were recorded.
 pub const CLAIMS_LOST_TOTAL: &str = "outbox_claims_lost_total";
+/// Failed calls of the store, labelled `operation` (one of [`store_operation`]'s).
+pub const STORE_ERRORS_TOTAL: &str = "outbox_store_errors_total";
 
 /// `status` label values of [`DISPATCHED_TOTAL`].
 pub mod status {
@@ -91,6 +94,22 @@ pub mod status {
     pub const DEAD: &str = "dead";
     /// This build cannot read the event yet (a newer version, an unknown event type).
     pub const PARKED: &str = "parked";
+}
+
+/// Values of the `operation` label of [`STORE_ERRORS_TOTAL`].
+pub mod store_operation {
+    /// A claim of a batch (with what it reads of the registry of relays before it).
+    pub const CLAIM: &str = "claim";
+    /// A record of a batch's outcomes, or of a part of them.
+    pub const RECORD: &str = "record";
+    /// A renewal of a batch's claim while its handlers run.
+    pub const RENEW: &str = "renew";
+    /// The relay's registration: made, renewed, or ended.
+    pub const REGISTER: &str = "register";
+    /// A read of the store's status.
+    pub const STATUS: &str = "status";
+    /// A purge of old published events (retention).
+    pub const PURGE: &str = "purge";
 }
 
 /// Describes the metrics to the installed recorder (units and help texts).
@@ -156,10 +175,19 @@ pub(crate) fn describe() {
         "Pending outbox deliveries to a subscriber no live relay has"
     );
     describe_counter!(
+        STORE_ERRORS_TOTAL,
+        Unit::Count,
+        "Failed calls of the outbox's store, by operation; the relay retries them"
+    );
+    describe_counter!(
         CLAIMS_LOST_TOTAL,
         Unit::Count,
         "Outbox batches whose claim expired before they were recorded; their outcomes were dropped"
     );
+}
+
+pub(crate) fn store_error(operation: &'static str) {
+    counter!(STORE_ERRORS_TOTAL, "operation" => operation).increment(1);
 }
 
 pub(crate) fn claim_lost() {

@@ -389,3 +389,99 @@ async fn a_relay_run_again_does_not_redo_its_chores_before_their_interval<B: Tes
     );
     assert_eq!(purges.lock().unwrap().len(), 1, "one purge per interval");
 }
+
+/// A relay whose claims fail while the database answers (here a trigger refuses the claim's
+/// insert; in life a lock timeout, a permission, a full disk) counts each failed call by its
+/// operation, so that an operator can alert on it, and counts nothing once claims work again.
+#[tokio::test]
+async fn a_relay_counts_each_failed_call_of_its_store_by_operation() {
+    use sqlx::Postgres;
+
+    let recorder = DebuggingRecorder::new();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    let (_db, outbox) = outbox::<Postgres, PingPong>().await;
+    let store_errors = |recorder: &DebuggingRecorder| -> Vec<(String, u64)> {
+        metrics(recorder)
+            .into_iter()
+            .filter(|((_, name, _), _)| name == telemetry::STORE_ERRORS_TOTAL)
+            .map(|((_, _, labels), value)| match value {
+                Value::Counter(n) => (format!("{labels:?}"), n),
+                other => panic!("not a counter: {other:?}"),
+            })
+            .collect()
+    };
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), XAndY::new(&probe), config()).unwrap();
+    let aggregate = Uuid::new_v4();
+    publish(&outbox, aggregate).await;
+    sqlx::raw_sql(
+        "CREATE FUNCTION events.refuse() RETURNS trigger LANGUAGE plpgsql AS
+             $$ BEGIN RAISE EXCEPTION 'claims refused by the test'; END $$;
+         CREATE TRIGGER refuse BEFORE INSERT ON events.outbox_claims
+             FOR EACH ROW EXECUTE FUNCTION events.refuse();",
+    )
+    .execute(outbox.pool())
+    .await
+    .unwrap();
+
+    for _ in 0..3 {
+        let error = relay.run_once().await.unwrap_err();
+        assert!(
+            error.to_string().contains("claims refused by the test"),
+            "{error}"
+        );
+    }
+    let claim = format!("{:?}", [("operation".to_owned(), "claim".to_owned())]);
+    assert_eq!(store_errors(&recorder), [(claim.clone(), 3)]);
+    assert!(probe.delivered_to("x").is_empty());
+
+    sqlx::raw_sql("DROP TRIGGER refuse ON events.outbox_claims")
+        .execute(outbox.pool())
+        .await
+        .unwrap();
+    run_until(&relay, WAIT, || probe.delivered_to("x") == [(aggregate, 1)]).await;
+    // (A snapshot takes the counts since the one before.)
+    assert_eq!(
+        store_errors(&recorder),
+        [(claim, 0)],
+        "nothing more counted once claims work"
+    );
+}
+
+/// A relay whose database cannot be reached counts the failed registration its claim starts
+/// with (a claim comes after it) and a failed read of the status, each by its operation.
+#[tokio::test]
+async fn a_relay_that_cannot_reach_its_database_counts_what_failed() {
+    use sqlx::postgres::PgPoolOptions;
+
+    let recorder = DebuggingRecorder::new();
+    let _recording = metrics::set_default_local_recorder(&recorder);
+    // Nothing listens on port 1.
+    let pool = PgPoolOptions::new()
+        .acquire_timeout(ms(500))
+        .connect_lazy("postgres://postgres@127.0.0.1:1/outbox")
+        .unwrap();
+    let outbox = Outbox::<sqlx::Postgres, PingPong>::new(pool);
+    let probe = Probe::default();
+    let relay = Relay::new(outbox.store(), XAndY::new(&probe), config()).unwrap();
+    relay.run_once().await.unwrap_err();
+    relay.report_status().await.unwrap_err();
+    let counted: BTreeMap<String, Value> = metrics(&recorder)
+        .into_iter()
+        .filter(|((_, name, _), _)| name == telemetry::STORE_ERRORS_TOTAL)
+        .map(|((_, _, labels), value)| (labels[0].1.clone(), value))
+        .collect();
+    assert_eq!(
+        counted,
+        BTreeMap::from([
+            (
+                telemetry::store_operation::REGISTER.to_owned(),
+                Value::Counter(1)
+            ),
+            (
+                telemetry::store_operation::STATUS.to_owned(),
+                Value::Counter(1)
+            ),
+        ])
+    );
+}

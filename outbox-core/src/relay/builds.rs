@@ -29,6 +29,7 @@ use crate::catalog::Catalog;
 use crate::error::StoreError;
 use crate::routing::Router;
 use crate::store::{ClaimFilter, REGISTRATION_TTL, Registry, Store};
+use crate::telemetry::{self, store_operation};
 
 /// How often a relay renews its registration and reads the others'.
 pub(crate) const HEARTBEAT: Duration = Duration::from_secs(10);
@@ -147,7 +148,8 @@ impl Builds {
     ) -> Result<(), StoreError> {
         let registry = store
             .register(self.id, &self.routing, REGISTRATION_TTL)
-            .await?;
+            .await
+            .inspect_err(|_| telemetry::store_error(store_operation::REGISTER))?;
         let others = view(self.id, &registry, router);
         let mut state = self.state.lock().unwrap_or_else(PoisonError::into_inner);
         if state.others.filter != others.filter || state.others.foreign != others.foreign {
@@ -171,6 +173,7 @@ impl Builds {
     /// Ends the registration.
     pub(super) async fn unregister<S: Store>(&self, store: &S) {
         if let Err(error) = store.unregister(self.id).await {
+            telemetry::store_error(store_operation::REGISTER);
             tracing::debug!(%error, "outbox relay could not end its registration");
         }
     }

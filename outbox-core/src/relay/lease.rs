@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 use crate::store::{ClaimToken, Store};
-use crate::telemetry;
+use crate::telemetry::{self, store_operation};
 
 /// A batch's claim as this relay knows it.
 ///
@@ -85,6 +85,7 @@ impl Lease {
                         return std::future::pending().await;
                     }
                     Err(error) => {
+                        telemetry::store_error(store_operation::RENEW);
                         tracing::warn!(
                             %error,
                             claim = %self.token,

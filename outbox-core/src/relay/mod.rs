@@ -46,7 +46,7 @@ use lease::Lease;
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
 use crate::store::{Batch, Claim, ClaimToken, Outcomes, Recorded, Status, Store, TakeOver};
-use crate::telemetry;
+use crate::telemetry::{self, store_operation};
 use succession::{Gate, Holding, Successions};
 
 /// Maps and sets the relay fills and reads for every batch, keyed by aggregates, keys of a
@@ -861,7 +861,11 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// Reads the store's [`Status`] and sets the [gauges](crate::telemetry) from it. A running
     /// relay does this every [status interval](RelayConfig::with_status_interval).
     pub async fn report_status(&self) -> Result<Status, StoreError> {
-        let status = self.store.status().await?;
+        let status = self
+            .store
+            .status()
+            .await
+            .inspect_err(|_| telemetry::store_error(store_operation::STATUS))?;
         telemetry::report(&status);
         Ok(status)
     }
@@ -917,6 +921,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     }
                 }
                 Err(error) => {
+                    telemetry::store_error(store_operation::PURGE);
                     tracing::warn!(%error, "outbox relay cannot purge old published events");
                 }
             }
@@ -978,7 +983,11 @@ impl<S: Store, R: Router> Relay<S, R> {
             true => Cow::Borrowed(others.filter()),
         };
         let sent = Instant::now();
-        let batch = self.store.claim(size, self.config.lease, &filter).await?;
+        let batch = self
+            .store
+            .claim(size, self.config.lease, &filter)
+            .await
+            .inspect_err(|_| telemetry::store_error(store_operation::CLAIM))?;
         let took = sent.elapsed();
         if self.builds.is_stale(batch.registry.as_ref()) {
             self.builds.renew(&self.store, &self.router).await?;
@@ -1070,6 +1079,9 @@ impl<S: Store, R: Router> Relay<S, R> {
                 true => self.store.record_part(token, outcomes).await,
                 false => self.store.record(token, outcomes).await,
             };
+            if recorded.is_err() {
+                telemetry::store_error(store_operation::RECORD);
+            }
             match recorded {
                 Ok(Recorded::Applied) => return Ok(Recorded::Applied),
                 Ok(Recorded::Lost) => {
