@@ -7,12 +7,27 @@
 //! cargo run --example billing -- catalog --format asyncapi      # what the service emits
 //! ```
 
+use std::process::ExitCode;
+
 use outbox_core::{BoxError, Router};
 use outbox_examples::billing::app::App;
 use outbox_examples::billing::scenario;
 
 #[tokio::main]
-async fn main() -> Result<(), BoxError> {
+async fn main() -> ExitCode {
+    match run().await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            #[allow(clippy::print_stderr, reason = "the example's one error, for its user")]
+            {
+                eprintln!("error: {error}");
+            }
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run() -> Result<(), BoxError> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     if let Some(command) = args.first() {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();

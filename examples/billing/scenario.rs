@@ -10,7 +10,7 @@ use outbox_sqlx::{Outbox, Status, TableNames};
 use sqlx::mysql::{MySqlConnectOptions, MySqlPoolOptions};
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
-use sqlx::{MySql, Pool, Postgres, Sqlite};
+use sqlx::{Connection as _, MySql, Pool, Postgres, Sqlite};
 use time::OffsetDateTime;
 use time::macros::datetime;
 use uuid::{Uuid, uuid};
@@ -274,6 +274,32 @@ pub async fn on_sqlite_file(path: &std::path::Path) -> Result<FinalState, BoxErr
     run(pool, TableNames::default()).await
 }
 
+/// Connects once, for the error a first connection gives: a pool retries until its timeout
+/// (30 s) and then says only that it timed out.
+async fn reachable<O>(options: &O) -> Result<(), BoxError>
+where
+    O: sqlx::ConnectOptions,
+    O::Connection: Sized,
+{
+    options
+        .connect()
+        .await
+        .map_err(|error| cannot_connect(&error))?
+        .close()
+        .await?;
+    Ok(())
+}
+
+/// The error of a first connection, saying which setting named the server (not its value:
+/// a URL may hold a password).
+fn cannot_connect(error: &sqlx::Error) -> BoxError {
+    let hint = match error {
+        sqlx::Error::Io(_) => ": is the server running, at the host and port the URL names?",
+        _ => "",
+    };
+    format!("cannot connect to the database DATABASE_URL names: {error}{hint}").into()
+}
+
 /// Runs the scenario on the PostgreSQL at `url`, in a new schema that is dropped at the end.
 pub async fn on_postgres(url: &str) -> Result<FinalState, BoxError> {
     let schema = format!(
@@ -282,6 +308,7 @@ pub async fn on_postgres(url: &str) -> Result<FinalState, BoxError> {
         rand_u32()
     );
     let options = PgConnectOptions::from_str(url)?;
+    reachable(&options).await?;
     let admin: Pool<Postgres> = PgPoolOptions::new()
         .max_connections(1)
         .connect_with(options.clone())
@@ -307,6 +334,7 @@ pub async fn on_mysql(url: &str) -> Result<FinalState, BoxError> {
         rand_u32()
     );
     let options = MySqlConnectOptions::from_str(url)?;
+    reachable(&options).await?;
     let admin: Pool<MySql> = MySqlPoolOptions::new()
         .max_connections(1)
         .connect_with(options.clone())

@@ -175,3 +175,40 @@ async fn every_example_event_delivered_twice_leaves_the_state_unchanged<B: TestB
         before = twice;
     }
 }
+
+/// A `DATABASE_URL` the example cannot reach gets an error that says which setting named the
+/// server and what to check, from the connection's own error (a pool would retry for 30 s and
+/// then say only that it timed out), and never the URL's password.
+#[tokio::test]
+async fn a_database_the_example_cannot_reach_gets_a_clear_error_without_the_password() {
+    // Nothing listens on port 1.
+    for error in [
+        scenario::on_postgres("postgres://someone:s3cret@127.0.0.1:1/db")
+            .await
+            .unwrap_err(),
+        scenario::on_mysql("mysql://someone:s3cret@127.0.0.1:1/db")
+            .await
+            .unwrap_err(),
+    ] {
+        let message = error.to_string();
+        assert!(
+            message.starts_with("cannot connect to the database DATABASE_URL names: ")
+                && message.contains("refused")
+                && message.ends_with("is the server running, at the host and port the URL names?"),
+            "{message}"
+        );
+        assert!(!message.contains("s3cret"), "{message}");
+    }
+    // A server that answers and refuses says why.
+    let admin = outbox_tests::pg::admin_url();
+    let (base, query) = admin.split_once('?').unwrap_or((&admin, ""));
+    let server = base.rsplit_once('/').map_or(base, |(server, _)| server);
+    let url = format!("{server}/no_such_database_here?{query}");
+    let error = scenario::on_postgres(&url).await.unwrap_err().to_string();
+    assert!(
+        error.starts_with("cannot connect to the database DATABASE_URL names: ")
+            && error.contains("no_such_database_here")
+            && error.contains("does not exist"),
+        "{error}"
+    );
+}
