@@ -5,3 +5,18 @@
 
 pub mod billing;
 pub mod orders;
+
+/// An example's exit: success, or its error printed for its user (`error: ...`, by its
+/// message, not its debug form) and a failure code.
+pub fn exit(result: Result<(), outbox_core::BoxError>) -> std::process::ExitCode {
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            #[allow(clippy::print_stderr, reason = "the example's one error, for its user")]
+            {
+                eprintln!("error: {error}");
+            }
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

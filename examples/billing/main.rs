@@ -15,16 +15,7 @@ use outbox_examples::billing::scenario;
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    match run().await {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            #[allow(clippy::print_stderr, reason = "the example's one error, for its user")]
-            {
-                eprintln!("error: {error}");
-            }
-            ExitCode::FAILURE
-        }
-    }
+    outbox_examples::exit(run().await)
 }
 
 async fn run() -> Result<(), BoxError> {
