@@ -98,7 +98,7 @@ pub mod status {
 
 /// Values of the `operation` label of [`STORE_ERRORS_TOTAL`].
 pub mod store_operation {
-    /// A claim of a batch (with what it reads of the registry of relays before it).
+    /// A claim of a batch (the registration a claim renews first counts as [`REGISTER`]).
     pub const CLAIM: &str = "claim";
     /// A record of a batch's outcomes, or of a part of them.
     pub const RECORD: &str = "record";
