@@ -229,6 +229,84 @@ impl Claim {
     }
 }
 
+/// How much one claim takes at most: a number of events and a number of bytes of their payloads,
+/// and as much again of due deliveries (each counting its event's payload).
+///
+/// A claim takes work in order and stops at the first piece that would go over either limit,
+/// except that it always takes its first piece, however large: an event bigger than the byte
+/// limit is claimed alone, never left behind for ever. A store takes the limits through a
+/// [`ClaimBudget`] for its events and another for its deliveries.
+///
+/// ```
+/// use outbox_core::store::ClaimLimit;
+///
+/// let limit = ClaimLimit::new(2000, 1024);
+/// let mut events = limit.budget();
+/// assert!(events.take(4096), "the first piece always fits");
+/// assert!(!events.take(1), "then the bytes are spent");
+/// assert!(!events.take(0), "and nothing after the first refusal is taken");
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ClaimLimit {
+    /// Events (and as many deliveries) at most.
+    pub events: u32,
+    /// Bytes of payload (the payload's JSON text, as stored) among the events, and as many
+    /// among the deliveries, at most: the first piece of each is taken whatever its size.
+    pub payload_bytes: u64,
+}
+
+impl ClaimLimit {
+    /// At most `events` events and `payload_bytes` bytes of their payloads.
+    pub const fn new(events: u32, payload_bytes: u64) -> Self {
+        Self {
+            events,
+            payload_bytes,
+        }
+    }
+
+    /// At most `events` events, whatever their size.
+    pub const fn events(events: u32) -> Self {
+        Self::new(events, u64::MAX)
+    }
+
+    /// A budget of this much, for a claim's events or for its deliveries.
+    pub fn budget(self) -> ClaimBudget {
+        ClaimBudget {
+            limit: self,
+            taken: 0,
+            bytes: 0,
+            full: false,
+        }
+    }
+}
+
+/// What is left of a [`ClaimLimit`] as a store takes work in order; once it refuses a piece it
+/// refuses every later one, so that what a claim takes is a prefix of what it looked at (an
+/// aggregate's later events never jump ahead of an earlier one left out).
+#[derive(Debug, Clone)]
+pub struct ClaimBudget {
+    limit: ClaimLimit,
+    taken: u32,
+    bytes: u64,
+    full: bool,
+}
+
+impl ClaimBudget {
+    /// Whether the next piece, of `payload_bytes`, fits; if it does, it is counted.
+    pub fn take(&mut self, payload_bytes: u64) -> bool {
+        let bytes = self.bytes.saturating_add(payload_bytes);
+        self.full = self.full
+            || self.taken >= self.limit.events
+            || (self.taken > 0 && bytes > self.limit.payload_bytes);
+        if !self.full {
+            self.taken += 1;
+            self.bytes = bytes;
+        }
+        !self.full
+    }
+}
+
 /// What a relay leaves to relays of other builds when it claims: the events of types, and the
 /// deliveries of subscribers, that it cannot route but a live relay of another build can. An
 /// event left so also holds back the later events of its aggregate from this claim.
@@ -587,8 +665,9 @@ pub const LONGEST_DELAY: Duration = Duration::from_secs(1000 * 365 * 24 * 3600);
 /// An aggregate is identified by its type *and* id: two aggregates of different types that share
 /// an id are independent.
 pub trait Store: Send + Sync + 'static {
-    /// Claims up to `limit` pending events and up to `limit` due deliveries for `lease`, under a
-    /// new [`ClaimToken`]. The lease runs from when the store grants the claim.
+    /// Claims pending events and due deliveries, each up to `limit` ([`ClaimLimit`]: so many,
+    /// and so many bytes of payload), for `lease`, under a new [`ClaimToken`]. The lease runs
+    /// from when the store grants the claim.
     ///
     /// A store must return only work that is due and not dead, claimed by no live claim, and
     /// whose aggregate has no earlier unfinished work elsewhere: pending events whose aggregate
@@ -601,7 +680,7 @@ pub trait Store: Send + Sync + 'static {
     /// types (and the later events of their aggregates), deliveries of its subscribers.
     fn claim(
         &self,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> impl Future<Output = Result<Batch, StoreError>> + Send;

@@ -80,8 +80,8 @@ use crate::publish::Publish;
 use crate::relay::{BatchReport, Relay};
 use crate::routing::{Decoded, Delivery, HandlerError, Observer, Router, Subscriber};
 use crate::store::{
-    self, Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, EventOutcome, Outcomes, Purged,
-    Registry, Requeue, Status, Store, StoredEvent,
+    self, Batch, Claim, ClaimFilter, ClaimLimit, ClaimToken, DeliveryOutcome, EventOutcome,
+    Outcomes, Purged, Registry, Requeue, Status, Store, StoredEvent,
 };
 
 /// One event a [`RecordingPublisher`] was given, encoded as the outbox would store it.
@@ -740,12 +740,11 @@ fn after(now: OffsetDateTime, delay: Duration) -> OffsetDateTime {
 impl Store for MemoryStore {
     async fn claim(
         &self,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, StoreError> {
         let now = self.clock.now();
-        let limit = usize::try_from(limit).unwrap_or(usize::MAX);
         let mut state = lock(&self.state);
         let state = &mut *state;
         state.expire(now);
@@ -755,6 +754,7 @@ impl Store for MemoryStore {
         // (dead, parked, claimed elsewhere, or left out by the limit) holds its later ones back.
         let mut held: BTreeSet<(String, Uuid)> = BTreeSet::new();
         let mut taken = Vec::new();
+        let mut budget = limit.budget();
         for row in state.events.values() {
             if row.event.published {
                 continue;
@@ -772,7 +772,7 @@ impl Store for MemoryStore {
             let free = !row.event.dead
                 && row.next_retry_at.is_none_or(|at| at <= now)
                 && row.claim.is_none()
-                && taken.len() < limit;
+                && budget.take(stored.payload.len() as u64);
             if free {
                 taken.push(stored.id);
             } else {
@@ -783,6 +783,7 @@ impl Store for MemoryStore {
         // head and the rows right behind it that are not dead, claimed or waiting for a retry.
         let mut closed: BTreeSet<(&str, &str, Uuid)> = BTreeSet::new();
         let mut due: Vec<(i64, String)> = Vec::new();
+        let mut budget = limit.budget();
         for (key, row) in &state.deliveries {
             let of = (
                 key.1.as_str(),
@@ -794,7 +795,11 @@ impl Store for MemoryStore {
             }
             let ready =
                 !row.delivery.dead && row.delivery.next_attempt_at <= now && row.claim.is_none();
-            if ready && due.len() < limit {
+            let size = state
+                .events
+                .get(&key.0)
+                .map_or(0, |event| event.event.stored.payload.len() as u64);
+            if ready && budget.take(size) {
                 due.push(key.clone());
             } else {
                 closed.insert(of);

@@ -45,7 +45,7 @@ struct HangingPurge {
 impl Store for HangingPurge {
     async fn claim(
         &self,
-        limit: u32,
+        limit: outbox_core::store::ClaimLimit,
         lease: Duration,
         filter: &outbox_core::store::ClaimFilter,
     ) -> Result<Batch, StoreError> {

@@ -3,7 +3,9 @@
 use std::future::Future;
 use std::time::Duration;
 
-use outbox_core::store::{Batch, ClaimFilter, ClaimToken, Outcomes, Recorded, Registry, Requeue};
+use outbox_core::store::{
+    Batch, ClaimFilter, ClaimLimit, ClaimToken, Outcomes, Recorded, Registry, Requeue,
+};
 use sqlx::Pool;
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -55,7 +57,7 @@ pub trait Backend: sqlx::Database + sealed::Sealed {
     fn claim(
         pool: &Pool<Self>,
         queries: &Self::Queries,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> impl Future<Output = Result<Batch, sqlx::Error>> + Send;
@@ -393,6 +395,13 @@ pub(crate) fn registry_of_text(rows: Vec<(String, i64, String)>) -> Registry {
 #[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
 pub(crate) fn count(value: i64) -> u32 {
     u32::try_from(value).unwrap_or(0)
+}
+
+/// The size of a payload as the database reports it (NULL, for a row gone meanwhile: 0), for
+/// a claim's byte limit.
+#[cfg_attr(not(any(feature = "sqlite", feature = "mysql")), allow(dead_code))]
+pub(crate) fn payload_bytes(value: Option<i64>) -> u64 {
+    value.map_or(0, row_count)
 }
 
 /// An encoded event on its way into the store.

@@ -39,8 +39,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    Recorded, Registry, Status,
+    Batch, Claim, ClaimFilter, ClaimLimit, ClaimToken, DeliveryOutcome, DeliveryRecord,
+    EventOutcome, Outcomes, Recorded, Registry, Status,
 };
 use serde_json::json;
 use sqlx::mysql::MySqlRow;
@@ -50,7 +50,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    due_in_micros, hold_after, row_count, sealed, sql, subscribers_query,
+    due_in_micros, hold_after, payload_bytes, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -382,7 +382,7 @@ impl Backend for MySql {
             candidates: sql(format!(
                 r#"
 SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.payload, c.occurred_at,
-       c.retry_count, c.expired_claims
+       c.retry_count, c.expired_claims, LENGTH(c.payload) AS payload_bytes
 FROM (
     (SELECT * FROM {outbox} WHERE pending = 1 AND id NOT IN {live}
      ORDER BY pending, id LIMIT ?)
@@ -446,7 +446,8 @@ SELECT h.n, f.subscriber, f.event_id,
        CASE WHEN f.event_id = h.e
                  OR (f.dead_at IS NULL AND f.claim_id IS NULL
                      AND (f.next_retry_at IS NULL OR f.next_retry_at <= ?))
-            THEN 1 ELSE 0 END AS ready
+            THEN 1 ELSE 0 END AS ready,
+       (SELECT LENGTH(o.payload) FROM {outbox} AS o WHERE o.id = f.event_id) AS payload_bytes
 FROM JSON_TABLE(?, '$[*]' COLUMNS (
          n FOR ORDINALITY,
          s VARCHAR(255) PATH '$[0]',
@@ -815,7 +816,7 @@ LIMIT ?"#
     async fn claim(
         pool: &MySqlPool,
         queries: &MySqlQueries,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, sqlx::Error> {
@@ -858,9 +859,9 @@ LIMIT ?"#
         }
 
         let candidates = sqlx::query(queries.candidates.clone())
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.events))
             .bind(now)
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.events))
             .fetch_all(&mut *tx)
             .await?;
         // Which candidates wait, and which of those are set aside (and behind what): behind
@@ -873,6 +874,7 @@ LIMIT ?"#
             claimed_aggregates(&live)?
         };
         let mut claimable = Vec::new();
+        let mut budget = limit.budget();
         let mut marks = Vec::new();
         let mut skipped: HashSet<(String, Uuid)> = Default::default();
         for row in &candidates {
@@ -890,7 +892,7 @@ LIMIT ?"#
                 }
             }
             let Some(blocker) = blockers.get(&aggregate).filter(|b| b.id < id) else {
-                if claimable.len() < usize::try_from(limit).unwrap_or(usize::MAX) {
+                if budget.take(payload_bytes(row.try_get("payload_bytes")?)) {
                     claimable.push(row);
                 }
                 continue;
@@ -1616,18 +1618,19 @@ LIMIT ?"#
 
 /// The due deliveries to claim, as `[subscriber, event id]` pairs in event id order: the due
 /// heads of their keys, each with the ready rows right behind it, at most its share of the
-/// batch (at least [`MIN_SHARE`]), so that a key that is free again drains in bulk.
+/// batch (at least [`MIN_SHARE`]), so that a key that is free again drains in bulk; then, in
+/// that order, as many as `limit` allows (its byte limit counting each row's payload).
 async fn due_deliveries(
     conn: &mut MySqlConnection,
     queries: &MySqlQueries,
     now: PrimitiveDateTime,
-    limit: u32,
+    limit: ClaimLimit,
     filter: &ClaimFilter,
 ) -> Result<Vec<(String, i64)>, sqlx::Error> {
     let heads: Vec<(String, String, Uuid, i64)> = sqlx::query_as(queries.due_heads.clone())
         .bind(now)
         .bind(json!(filter.skip_subscribers).to_string())
-        .bind(i64::from(limit))
+        .bind(i64::from(limit.events))
         .fetch_all(&mut *conn)
         .await?;
     if heads.is_empty() {
@@ -1637,10 +1640,10 @@ async fn due_deliveries(
         .iter()
         .map(|(s, t, a, e)| json!([s, t, a.simple().to_string(), e]))
         .collect();
-    let share = (i64::from(limit) / i64::try_from(heads.len()).unwrap_or(1)).max(MIN_SHARE);
+    let share = (i64::from(limit.events) / i64::try_from(heads.len()).unwrap_or(1)).max(MIN_SHARE);
     // (The share is a number this function computed: formatted into the SQL, as `OFFSET` in
     // a subquery takes no placeholder.)
-    let rows: Vec<(i64, String, i64, i64)> = sqlx::query_as(sql(queries
+    let rows: Vec<(i64, String, i64, i64, Option<i64>)> = sqlx::query_as(sql(queries
         .behind_heads
         .replace("{share}", &(share - 1).to_string())))
     .bind(now)
@@ -1649,7 +1652,7 @@ async fn due_deliveries(
     .await?;
     let mut due = Vec::new();
     let mut stopped = None;
-    for (head, subscriber, event_id, ready) in rows {
+    for (head, subscriber, event_id, ready, bytes) in rows {
         if stopped == Some(head) {
             continue;
         }
@@ -1658,11 +1661,15 @@ async fn due_deliveries(
             stopped = Some(head);
             continue;
         }
-        due.push((subscriber, event_id));
+        due.push((event_id, subscriber, payload_bytes(bytes)));
     }
-    due.sort_by_key(|(_, event_id)| *event_id);
-    due.truncate(usize::try_from(limit).unwrap_or(usize::MAX));
-    Ok(due)
+    due.sort_unstable();
+    let mut budget = limit.budget();
+    Ok(due
+        .into_iter()
+        .take_while(|(_, _, bytes)| budget.take(*bytes))
+        .map(|(event_id, subscriber, _)| (subscriber, event_id))
+        .collect())
 }
 
 /// The marks of events set aside behind a claim, kept only for claims that still hold the

@@ -12,8 +12,8 @@ use crate::tx::OutboxTx;
 use crate::views::{DeadLetterGroup, ListQuery, Listed, Overview, Page, Report};
 use crate::wake::Wakeups;
 use outbox_core::store::{
-    Batch, ClaimFilter, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded, Registry,
-    Requeue, Status,
+    Batch, ClaimFilter, ClaimLimit, ClaimToken, Outcomes, Purged, REGISTRATION_TTL, Recorded,
+    Registry, Requeue, Status,
 };
 use outbox_core::{
     ConfigError, Delivery, HandlerError, Metadata, Relay, RelayConfig, Router, RunsOn, Store,
@@ -603,7 +603,7 @@ async fn status_of<DB: Backend>(
 impl<DB: Backend> Store for SqlStore<DB> {
     async fn claim(
         &self,
-        limit: u32,
+        limit: ClaimLimit,
         lease: std::time::Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, StoreError> {

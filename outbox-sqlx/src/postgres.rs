@@ -6,8 +6,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    REGISTRATION_TTL, Recorded, Registry, Status,
+    Batch, Claim, ClaimFilter, ClaimLimit, ClaimToken, DeliveryOutcome, DeliveryRecord,
+    EventOutcome, Outcomes, REGISTRATION_TTL, Recorded, Registry, Status,
 };
 use std::sync::{Mutex, PoisonError, Weak};
 
@@ -1106,11 +1106,27 @@ new_holds AS (
           WHERE d.mark_by IS NOT NULL) AS m
     ON CONFLICT DO NOTHING
 ),
-claimable AS MATERIALIZED (
+claimable_up_to AS MATERIALIZED (
     SELECT d.id, d.aggregate_type, d.aggregate_id, d.event_type, d.payload, d.occurred_at,
            d.retry_count, d.expired_claims
     FROM decided AS d
     WHERE NOT d.waits ORDER BY d.id LIMIT $1
+),
+cutoff AS MATERIALIZED (
+    -- Where the byte limit ($13) cuts the batch: the first event (not the first of all) whose
+    -- payload goes over it, and every event after it, wait for the next claim. Looked for only
+    -- when the batch's payloads go over the limit.
+    SELECT coalesce(CASE WHEN (SELECT sum(octet_length(c.payload)) FROM claimable_up_to AS c) > $13
+        THEN (SELECT min(w.id) FROM (
+                  SELECT c.id, row_number() OVER w AS n, sum(octet_length(c.payload)) OVER w AS bytes
+                  FROM claimable_up_to AS c
+                  WINDOW w AS (ORDER BY c.id ROWS UNBOUNDED PRECEDING)) AS w
+              WHERE w.n > 1 AND w.bytes > $13)
+        END, 9223372036854775807) AS id
+),
+claimable AS NOT MATERIALIZED (
+    -- In id order, up to $1 events and $13 bytes of payload (the first whatever its size).
+    SELECT c.* FROM claimable_up_to AS c WHERE c.id < (SELECT f.id FROM cutoff AS f)
 ),
 due_heads AS MATERIALIZED (
     -- Due deliveries that are the first of their key, longest due first: rows behind a head
@@ -1135,6 +1151,13 @@ due AS MATERIALIZED (
     -- batch of rows.
     -- (Not the heads of subscribers left to relays of other builds, $5: a filter here, after
     -- the heads' `LIMIT`, leaves the plan of `due_heads` alone.)
+    -- Then, in the same order, up to $13 bytes of their events' payloads (the first row
+    -- whatever its size): each key keeps rows from its head on.
+    SELECT u.subscriber, u.event_id, u.aggregate_type, u.aggregate_id
+    FROM (
+    SELECT r.subscriber, r.event_id, r.aggregate_type, r.aggregate_id,
+           row_number() OVER w AS n, sum(p.bytes) OVER w AS bytes
+    FROM (
     SELECT r.subscriber, r.event_id, r.aggregate_type, r.aggregate_id
     FROM (SELECT * FROM due_heads WHERE subscriber <> ALL($5::text[])) AS h
     CROSS JOIN LATERAL (
@@ -1152,6 +1175,14 @@ due AS MATERIALIZED (
     WHERE r.ready
     ORDER BY r.event_id
     LIMIT $1
+    ) AS r
+    CROSS JOIN LATERAL (
+        SELECT octet_length(coalesce(o.payload_text, o.payload::text)) AS bytes
+        FROM {outbox} AS o WHERE o.id = r.event_id
+    ) AS p
+    WINDOW w AS (ORDER BY r.event_id, r.subscriber ROWS UNBOUNDED PRECEDING)
+    ) AS u
+    WHERE u.n = 1 OR u.bytes <= $13
 ),
 subscribers AS MATERIALIZED (
     -- The subscribers with deliveries, one index probe each; none when no delivery waits.
@@ -1553,7 +1584,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
     async fn claim(
         pool: &PgPool,
         queries: &PgQueries,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, sqlx::Error> {
@@ -1583,7 +1614,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
         #[cfg(feature = "_fault-injection")]
         crate::__fault_injection::claim_lock_held();
         let rows = sqlx::query(queries.claim.clone())
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.events))
             .bind(seconds(lease))
             .bind(seconds(hold_after(lease)))
             .bind(&filter.skip_event_types)
@@ -1595,6 +1626,7 @@ WHERE subscriber = $1 AND dead_at IS NOT NULL
             .bind(take_over_types)
             .bind(take_over_ids)
             .bind(taken_whole)
+            .bind(i64::try_from(limit.payload_bytes).unwrap_or(i64::MAX))
             .fetch_all(&mut *tx)
             .await?;
         tx.commit().await?;
@@ -2426,7 +2458,7 @@ mod tests {
         Postgres::claim(
             pool,
             queries,
-            10,
+            ClaimLimit::events(10),
             Duration::from_secs(60),
             &ClaimFilter::default(),
         )
@@ -2557,7 +2589,7 @@ mod tests {
         let error = Postgres::claim(
             &pool,
             queries,
-            10,
+            ClaimLimit::events(10),
             Duration::from_secs(60),
             &ClaimFilter::default(),
         )
@@ -2697,7 +2729,7 @@ mod tests {
         if !prepared {
             sqlx::raw_sql(AssertSqlSafe(format!(
                 "PREPARE claim(int8, float8, float8, text[], text[], int8, int8, int8, int8[],
-                               text[], uuid[], int8[]) AS {}",
+                               text[], uuid[], int8[], int8) AS {}",
                 queries.claim.as_str()
             )))
             .execute(&mut *conn)
@@ -2708,7 +2740,8 @@ mod tests {
             &mut *conn,
             &format!(
                 "claim({batch}, 30, 1, '{{}}', '{{}}', {claims_floor}, {events_floor},
-                       {released}, '{{}}', '{{}}', '{{}}', '{{}}')"
+                       {released}, '{{}}', '{{}}', '{{}}', '{{}}', {})",
+                i64::MAX
             ),
         )
         .await;
@@ -2865,7 +2898,7 @@ mod tests {
         let batch = Postgres::claim(
             &db.pool,
             &queries,
-            BATCH as u32,
+            ClaimLimit::events(BATCH as u32),
             Duration::from_secs(60),
             &ClaimFilter::default(),
         )
@@ -3683,7 +3716,7 @@ mod tests {
             let batch = Postgres::claim(
                 &db.pool,
                 &queries,
-                500,
+                ClaimLimit::events(500),
                 Duration::from_secs(60),
                 &ClaimFilter::default(),
             )
@@ -3792,9 +3825,15 @@ mod tests {
             let pool = db.pool.clone();
             let queries = &queries;
             async move {
-                let batch = Postgres::claim(&pool, queries, 10, Duration::from_secs(60), &filter)
-                    .await
-                    .unwrap();
+                let batch = Postgres::claim(
+                    &pool,
+                    queries,
+                    ClaimLimit::events(10),
+                    Duration::from_secs(60),
+                    &filter,
+                )
+                .await
+                .unwrap();
                 let ids: Vec<i64> = batch.claims.iter().map(Claim::event_id).collect();
                 (batch.token, ids)
             }
@@ -4015,7 +4054,15 @@ mod tests {
 
         let queries = Postgres::queries(&names);
         let none = ClaimFilter::default();
-        let claim = || Postgres::claim(&db.pool, &queries, 10, Duration::from_secs(60), &none);
+        let claim = || {
+            Postgres::claim(
+                &db.pool,
+                &queries,
+                ClaimLimit::events(10),
+                Duration::from_secs(60),
+                &none,
+            )
+        };
         let delivered = |claims: &[Claim]| Outcomes {
             deliveries: claims
                 .iter()
@@ -4228,7 +4275,7 @@ mod tests {
                 Postgres::claim(
                     &pool,
                     &queries,
-                    10,
+                    ClaimLimit::events(10),
                     Duration::from_secs(1),
                     &ClaimFilter::default(),
                 )
@@ -4485,7 +4532,7 @@ mod tests {
         let batch = Postgres::claim(
             &pool,
             &queries,
-            100,
+            ClaimLimit::events(100),
             Duration::from_secs(30),
             &ClaimFilter::default(),
         )
@@ -4767,7 +4814,7 @@ mod tests {
         let batch = Postgres::claim(
             &db.pool,
             &queries,
-            EVENTS,
+            ClaimLimit::events(EVENTS),
             Duration::from_secs(60),
             &ClaimFilter::default(),
         )

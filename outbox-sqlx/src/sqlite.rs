@@ -11,8 +11,8 @@ use std::time::Duration;
 
 use outbox_core::StoredEvent;
 use outbox_core::store::{
-    Batch, Claim, ClaimFilter, ClaimToken, DeliveryOutcome, DeliveryRecord, EventOutcome, Outcomes,
-    Recorded, Registry, Status,
+    Batch, Claim, ClaimFilter, ClaimLimit, ClaimToken, DeliveryOutcome, DeliveryRecord,
+    EventOutcome, Outcomes, Recorded, Registry, Status,
 };
 use serde_json::json;
 use sqlx::sqlite::SqliteRow;
@@ -22,7 +22,7 @@ use uuid::Uuid;
 
 use crate::backend::{
     self, Backend, MIN_SHARE, Migration, Named, NewEvent, PurgeStep, PurgedUpTo, apply_migrations,
-    due_in_micros, hold_after, row_count, sealed, sql, subscribers_query,
+    due_in_micros, hold_after, payload_bytes, row_count, sealed, sql, subscribers_query,
 };
 use crate::error::Error;
 use crate::names::TableNames;
@@ -266,14 +266,18 @@ ORDER BY key"#
             candidates: sql(format!(
                 r#"
 WITH scanned AS (
-    SELECT id, aggregate_type, aggregate_id, event_type FROM {outbox}
+    SELECT id, aggregate_type, aggregate_id, event_type,
+           length(CAST(payload AS BLOB)) AS bytes
+    FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at IS NULL
       AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
     ORDER BY id
     LIMIT $2
 ),
 due_parked AS (
-    SELECT id, aggregate_type, aggregate_id, event_type FROM {outbox}
+    SELECT id, aggregate_type, aggregate_id, event_type,
+           length(CAST(payload AS BLOB)) AS bytes
+    FROM {outbox}
     WHERE published_at IS NULL AND dead_at IS NULL AND next_retry_at <= $1
       AND held_by IS NULL AND held_behind IS NULL AND claim_id IS NULL
     ORDER BY next_retry_at
@@ -283,7 +287,7 @@ candidates AS MATERIALIZED (
     SELECT * FROM scanned UNION ALL SELECT * FROM due_parked
 ),
 blockers AS (
-    SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, (
+    SELECT c.id, c.aggregate_type, c.aggregate_id, c.event_type, c.bytes, (
         SELECT e.id FROM {outbox} AS e
         WHERE e.aggregate_id = c.aggregate_id AND e.aggregate_type = c.aggregate_type
           AND e.published_at IS NULL AND e.id < c.id
@@ -294,7 +298,7 @@ blockers AS (
     FROM candidates AS c
 )
 SELECT b.id, b.blocker, e.claim_id, k.claimed_at, e.held_by, e.held_behind,
-       b.aggregate_type, b.aggregate_id, b.event_type
+       b.aggregate_type, b.aggregate_id, b.event_type, b.bytes
 FROM blockers AS b
 LEFT JOIN {outbox} AS e ON e.id = b.blocker
 LEFT JOIN {claims} AS k ON k.id = e.claim_id
@@ -357,8 +361,12 @@ candidates AS (
          ORDER BY x.event_id LIMIT 1 OFFSET (SELECT per_key FROM share) - 1),
          9223372036854775807)
 )
-SELECT subscriber, event_id FROM candidates WHERE ready
-ORDER BY event_id
+-- With the size of the event's payload, for the claim's byte limit.
+SELECT c.subscriber, c.event_id, length(CAST(o.payload AS BLOB)) AS bytes
+FROM candidates AS c
+JOIN {outbox} AS o ON o.id = c.event_id
+WHERE c.ready
+ORDER BY c.event_id, c.subscriber
 LIMIT $2"#
             )),
             promote_head: sql(format!(
@@ -637,7 +645,7 @@ LIMIT $4"#
     async fn claim(
         pool: &SqlitePool,
         queries: &SqliteQueries,
-        limit: u32,
+        limit: ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, sqlx::Error> {
@@ -669,10 +677,11 @@ LIMIT $4"#
         // Which candidates wait, and which of those are set aside (and behind what).
         let rows = sqlx::query(queries.candidates.clone())
             .bind(now)
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.events))
             .fetch_all(&mut *tx)
             .await?;
         let mut claimable = Vec::new();
+        let mut budget = limit.budget();
         let mut marks = Vec::new();
         // Aggregates with a candidate of a type left to relays of other builds: it and their
         // later candidates wait for those, unmarked.
@@ -691,7 +700,7 @@ LIMIT $4"#
                 }
             }
             let Some(blocker) = row.try_get::<Option<i64>, _>(1)? else {
-                if claimable.len() < usize::try_from(limit).unwrap_or(usize::MAX) {
+                if budget.take(payload_bytes(row.try_get(9)?)) {
                     claimable.push(id);
                 }
                 continue;
@@ -719,12 +728,20 @@ LIMIT $4"#
                 .execute(&mut *tx)
                 .await?;
         }
-        let due = sqlx::query(queries.due_deliveries.clone())
+        let mut budget = limit.budget();
+        let mut due = Vec::new();
+        for row in sqlx::query(queries.due_deliveries.clone())
             .bind(now)
-            .bind(i64::from(limit))
+            .bind(i64::from(limit.events))
             .bind(json!(filter.skip_subscribers).to_string())
             .fetch_all(&mut *tx)
-            .await?;
+            .await?
+        {
+            if !budget.take(payload_bytes(row.try_get(2)?)) {
+                break;
+            }
+            due.push(row);
+        }
         let registry: String = sqlx::query_scalar(queries.registry_version.clone())
             .fetch_one(&mut *tx)
             .await?;

@@ -449,7 +449,7 @@ struct Counting<S> {
 impl<S: Store> Store for Counting<S> {
     async fn claim(
         &self,
-        limit: u32,
+        limit: outbox_core::store::ClaimLimit,
         lease: Duration,
         filter: &ClaimFilter,
     ) -> Result<Batch, StoreError> {

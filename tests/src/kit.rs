@@ -653,7 +653,7 @@ impl<S> WatchedStore<S> {
 impl<S: Store> Store for WatchedStore<S> {
     async fn claim(
         &self,
-        limit: u32,
+        limit: outbox_core::store::ClaimLimit,
         lease: Duration,
         filter: &outbox_core::store::ClaimFilter,
     ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
@@ -675,7 +675,7 @@ impl<S: Store> Store for WatchedStore<S> {
             self.claims
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .push((limit, batch.claims.len()));
+                .push((limit.events, batch.claims.len()));
             if !filter.take_over.is_empty() {
                 self.took_over.fetch_add(1, SeqCst);
             }

@@ -86,7 +86,7 @@ struct OneBatch {
 impl Store for OneBatch {
     async fn claim(
         &self,
-        _: u32,
+        _: outbox_core::store::ClaimLimit,
         _: Duration,
         _: &outbox_core::store::ClaimFilter,
     ) -> Result<Batch, StoreError> {

@@ -2,6 +2,7 @@
 //! not at commit), surviving killed sessions, and holding no transaction open while handlers
 //! run. The behaviour shared with the other backends is in `relay.rs` and the others.
 
+use outbox_core::store::ClaimLimit;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -163,7 +164,10 @@ async fn nothing_is_set_aside_behind_a_claim_for_an_aggregate_a_record_of_part_o
     let (x, y) = (Uuid::new_v4(), Uuid::new_v4());
     publish_one(&outbox, x, 1).await;
     publish_one(&outbox, y, 1).await;
-    let first = store.claim(10, lease, &filter).await.unwrap();
+    let first = store
+        .claim(ClaimLimit::events(10), lease, &filter)
+        .await
+        .unwrap();
     assert_eq!(first.claims.len(), 2);
     let y1 = last_event_of(&db, y).await;
     // The claim has lasted: a claim sets its aggregates' later events aside behind it.
@@ -193,7 +197,11 @@ async fn nothing_is_set_aside_behind_a_claim_for_an_aggregate_a_record_of_part_o
         let store = store.clone();
         async move {
             store
-                .claim(10, Duration::from_secs(60), &ClaimFilter::default())
+                .claim(
+                    ClaimLimit::events(10),
+                    Duration::from_secs(60),
+                    &ClaimFilter::default(),
+                )
                 .await
                 .unwrap()
         }
@@ -212,7 +220,10 @@ async fn nothing_is_set_aside_behind_a_claim_for_an_aggregate_a_record_of_part_o
         held_by, None,
         "y2 was set aside behind a claim that no longer holds y"
     );
-    let next = store.claim(10, lease, &filter).await.unwrap();
+    let next = store
+        .claim(ClaimLimit::events(10), lease, &filter)
+        .await
+        .unwrap();
     let claimed: Vec<i64> = next
         .claims
         .iter()

@@ -2,6 +2,7 @@
 //! letters, parking, ordering per (subscriber, aggregate), claims that expire, shutdown and
 //! wake-ups. What only PostgreSQL can show (killed connections, sessions) is in `pg_relay.rs`.
 
+use outbox_core::store::ClaimLimit;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -33,6 +34,8 @@ on_every_backend!(
     a_subscriber_that_fails_is_retried_alone,
     a_failing_event_holds_back_its_aggregate_for_that_subscriber_only,
     a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order,
+    a_batch_claims_at_most_its_bytes_of_payload_and_a_larger_event_alone,
+    deliveries_are_claimed_within_the_bytes_of_a_batch_too,
     a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
     a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate,
     aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait,
@@ -419,7 +422,11 @@ async fn every_state_is_listed_filtered_and_a_page_at_a_time<B: TestBackend>() {
     // and only as claimed, until it is given back.
     let batch = outbox
         .store()
-        .claim(1, Duration::from_secs(60), &Default::default())
+        .claim(
+            ClaimLimit::events(1),
+            Duration::from_secs(60),
+            &Default::default(),
+        )
         .await
         .unwrap();
     assert_eq!(list(ListQuery::new(ListState::Claimed)).await, [(a1, None)]);
@@ -1077,6 +1084,89 @@ async fn a_key_free_again_drains_what_waited_behind_it_in_one_batch_in_order<B: 
     let seqs: Vec<u32> = probe.delivered_to("x").iter().map(|(_, s)| *s).collect();
     assert_eq!(seqs, (1..=EVENTS).collect::<Vec<_>>());
     assert_eq!(probe.delivered_to("y").len(), EVENTS as usize);
+}
+
+/// A `Ping` whose payload carries `pad` bytes more (a field `Ping` does not read).
+async fn insert_padded_ping<B: TestBackend>(
+    outbox: &TestOutbox<B>,
+    aggregate: Uuid,
+    seq: u32,
+    pad: usize,
+) -> i64 {
+    let payload = format!(
+        r#"{{"version":1,"data":{{"aggregate":"{aggregate}","seq":{seq},"pad":"{}"}}}}"#,
+        "x".repeat(pad)
+    );
+    insert_raw(outbox.pool(), "Ping", aggregate, &payload).await
+}
+
+/// A claim stops before the event that would take its payloads over the batch's bytes, so
+/// what a batch holds in memory is bounded whatever the events weigh; an event larger than
+/// that is claimed alone, and everything is delivered, in order.
+async fn a_batch_claims_at_most_its_bytes_of_payload_and_a_larger_event_alone<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    // Five events of about 4 KB and one of about 25 KB, against 10 000 bytes a batch.
+    for seq in 1..=5 {
+        insert_padded_ping(&outbox, a, seq, 4000).await;
+    }
+    insert_padded_ping(&outbox, b, 1, 25_000).await;
+    let relay = relay(
+        &outbox,
+        XAndY::new(&probe),
+        config().with_batch_bytes(10_000),
+    );
+    let reports = run_until(&relay, WAIT, || probe.delivered_to("y").len() == 6).await;
+    let batches: Vec<usize> = reports.iter().map(|r| r.claimed).collect();
+    assert_eq!(
+        batches,
+        [2, 2, 1, 1],
+        "two of 4 KB fit in 10 000 bytes, a third does not; the 25 KB event goes alone"
+    );
+    for subscriber in ["x", "y"] {
+        assert_eq!(
+            probe.delivered_to(subscriber),
+            [(a, 1), (a, 2), (a, 3), (a, 4), (a, 5), (b, 1)],
+            "{subscriber}"
+        );
+    }
+    assert_eq!(relay.run_once().await.unwrap().claimed, 0);
+}
+
+/// Deliveries (what waits behind a failure) count against the batch's bytes as events do,
+/// each with its event's payload, and still drain in order.
+async fn deliveries_are_claimed_within_the_bytes_of_a_batch_too<B: TestBackend>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let a = Uuid::new_v4();
+    for seq in 1..=5 {
+        insert_padded_ping(&outbox, a, seq, 4000).await;
+    }
+    // A relay without a byte limit to speak of takes all five; x fails the first, so x's five
+    // wait as deliveries (the retry after 50 ms, beyond the in-place limit).
+    probe.fail("x", a, 1, [Fail::Transient]);
+    let first = relay(&outbox, XAndY::new(&probe), config());
+    let report = first.run_once().await.unwrap();
+    assert_eq!((report.claimed, report.retried), (5, 1), "{report:?}");
+    assert_eq!(probe.delivered_to("y").len(), 5);
+
+    let relay = relay(
+        &outbox,
+        XAndY::new(&probe),
+        config().with_batch_bytes(10_000),
+    );
+    let reports = run_until(&relay, WAIT, || probe.delivered_to("x").len() == 5).await;
+    let batches: Vec<usize> = reports
+        .iter()
+        .filter(|r| r.claimed > 0)
+        .map(|r| r.claimed)
+        .collect();
+    assert_eq!(batches, [2, 2, 1], "two deliveries of 4 KB a batch");
+    assert_eq!(
+        probe.delivered_to("x"),
+        (1..=5).map(|seq| (a, seq)).collect::<Vec<_>>()
+    );
 }
 
 /// A retry due within the in-place limit is waited for in the batch, with the key's later

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use outbox_core::store::Requeue;
+use outbox_core::store::{ClaimFilter, ClaimLimit, EventOutcome, Outcomes, Recorded, Requeue};
 use outbox_core::testing::{ManualClock, MemoryStore, RecordingPublisher, TestDelivery, drain};
 use outbox_core::{Metadata, Publish, Relay, RelayConfig, RetryPolicy, Store};
 use outbox_tests::kit::{Fail, OnlyX, Ping, PingPong, Pong, Probe, XAndY, XPing};
@@ -234,6 +234,54 @@ async fn the_memory_store_keeps_order_per_subscriber_and_aggregate() {
     drain(&relay).await.unwrap();
     assert_eq!(probe.delivered_to("x"), [(b, 1), (b, 2), (a, 1), (a, 2)]);
     assert_eq!(probe.delivered_to("y").len(), 4, "y is not called again");
+}
+
+/// The reference store takes a claim's byte limit as the database stores do: events, then
+/// deliveries, each up to the limit, the first whatever its size.
+#[tokio::test]
+async fn the_memory_store_claims_within_the_bytes_of_a_batch() {
+    let store = MemoryStore::new();
+    let (a, b) = (Uuid::new_v4(), Uuid::new_v4());
+    let padded = |aggregate: Uuid, seq: u32, pad: usize| {
+        format!(
+            r#"{{"version":1,"data":{{"aggregate":"{aggregate}","seq":{seq},"pad":"{}"}}}}"#,
+            "x".repeat(pad)
+        )
+    };
+    for seq in 1..=3 {
+        store.insert_raw("Ping", "probe", a, &padded(a, seq, 400));
+    }
+    store.insert_raw("Ping", "probe", b, &padded(b, 1, 5000));
+    let lease = minutes(1);
+    let limit = ClaimLimit::new(100, 1000);
+    let filter = ClaimFilter::default();
+    let mut claimed = Vec::new();
+    loop {
+        let batch = store.claim(limit, lease, &filter).await.unwrap();
+        if batch.is_empty() {
+            break;
+        }
+        claimed.push(batch.claims.len());
+        let outcomes = batch
+            .claims
+            .iter()
+            .filter_map(|claim| claim.event())
+            .map(|event| (event.id, EventOutcome::Published))
+            .collect();
+        let outcomes = Outcomes {
+            events: outcomes,
+            deliveries: Vec::new(),
+        };
+        assert_eq!(
+            store.record(batch.token, &outcomes).await.unwrap(),
+            Recorded::Applied
+        );
+    }
+    assert_eq!(
+        claimed,
+        [2, 1, 1],
+        "two of 400 bytes in 1000, then one; 5000 alone"
+    );
 }
 
 #[tokio::test]

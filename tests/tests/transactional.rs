@@ -2,6 +2,7 @@
 //! effect, the inbox record of the delivery and any follow-up events commit together, so the
 //! effect happens exactly once whatever fails, on PostgreSQL and on SQLite.
 
+use outbox_core::store::ClaimLimit;
 use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -379,7 +380,11 @@ async fn a_lost_claim_writes_nothing_and_says_so<B: TestBackend>() {
     tx.commit().await.unwrap();
     let batch = outbox
         .store()
-        .claim(10, Duration::from_secs(30), &Default::default())
+        .claim(
+            ClaimLimit::events(10),
+            Duration::from_secs(30),
+            &Default::default(),
+        )
         .await
         .unwrap();
     let event = batch.claims[0].event().unwrap().clone();

@@ -37,6 +37,8 @@ on_every_backend!(
 );
 
 const BATCH: u32 = 10;
+/// A claim of a batch, as the relay asks for it.
+const CLAIM: outbox_core::store::ClaimLimit = outbox_core::store::ClaimLimit::events(BATCH);
 /// Events published behind the stuck one: ten batches and a half.
 const BEHIND: u32 = 10 * BATCH + 5;
 /// How soon the other aggregates' events must be delivered, whatever is stuck.
@@ -903,13 +905,13 @@ async fn a_claim_that_frees_events_set_aside_behind_an_ended_claim_says_there_is
     let (lease, filter) = (Duration::from_secs(30), Default::default());
     let aggregate = Uuid::new_v4();
     publish(&outbox, aggregate, 1..2).await;
-    let slow = store.claim(BATCH, lease, &filter).await.unwrap();
+    let slow = store.claim(CLAIM, lease, &filter).await.unwrap();
     assert_eq!(slow.claims.len(), 1, "{slow:?}");
     // Older than a young claim (a second at most), whose aggregates' later events are only
     // skipped, not set aside.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     publish(&outbox, aggregate, 2..3).await;
-    let behind = store.claim(BATCH, lease, &filter).await.unwrap();
+    let behind = store.claim(CLAIM, lease, &filter).await.unwrap();
     assert!(behind.is_empty() && behind.more, "set aside: {behind:?}");
 
     let published = Outcomes {
@@ -934,7 +936,7 @@ async fn a_claim_that_frees_events_set_aside_behind_an_ended_claim_says_there_is
 async fn claim_what_was_freed<S: Store>(store: &S) -> outbox_core::store::Batch {
     for claim in 1..=3 {
         let batch = store
-            .claim(BATCH, Duration::from_secs(30), &Default::default())
+            .claim(CLAIM, Duration::from_secs(30), &Default::default())
             .await
             .unwrap();
         if !batch.is_empty() {
@@ -958,7 +960,7 @@ async fn a_claim_that_frees_the_deliveries_of_an_expired_claim_says_there_is_mor
     let store = outbox.store();
     let (lease, filter) = (Duration::from_secs(30), Default::default());
     publish(&outbox, Uuid::new_v4(), 1..2).await;
-    let first = store.claim(BATCH, lease, &filter).await.unwrap();
+    let first = store.claim(CLAIM, lease, &filter).await.unwrap();
     let event = first.claims[0].event().unwrap().clone();
     // Published, with x's delivery left to wait (due at once) as a row of its own.
     let outcomes = Outcomes {
@@ -973,7 +975,7 @@ async fn a_claim_that_frees_the_deliveries_of_an_expired_claim_says_there_is_mor
     };
     let recorded = store.record(first.token, &outcomes).await.unwrap();
     assert_eq!(recorded, Recorded::Applied);
-    let lost = store.claim(BATCH, lease, &filter).await.unwrap();
+    let lost = store.claim(CLAIM, lease, &filter).await.unwrap();
     assert_eq!(lost.claims.len(), 1, "x's delivery: {lost:?}");
     // The relay that claimed it died: its claim expired.
     B::expire_claims(outbox.pool()).await;

@@ -4,9 +4,12 @@ use std::time::Duration;
 
 use crate::error::ConfigError;
 use crate::retry::RetryPolicy;
+use crate::store::ClaimLimit;
 
 /// The default [concurrency](RelayConfig::with_concurrency).
 const DEFAULT_CONCURRENCY: usize = 32;
+/// The default [byte limit of a batch](RelayConfig::with_batch_bytes): 16 MiB.
+const DEFAULT_BATCH_BYTES: u64 = 16 << 20;
 /// The default [limit of retries in place](RelayConfig::with_retry_in_place).
 const DEFAULT_RETRY_IN_PLACE: Duration = Duration::from_millis(20);
 
@@ -27,6 +30,7 @@ const DEFAULT_RETRY_IN_PLACE: Duration = Duration::from_millis(20);
 pub struct RelayConfig {
     pub(super) poll_interval: Duration,
     pub(super) batch_size: u32,
+    pub(super) batch_bytes: u64,
     pub(super) concurrency: usize,
     pub(super) lease: Duration,
     pub(super) handler_timeout: Duration,
@@ -43,6 +47,7 @@ impl Default for RelayConfig {
         Self {
             poll_interval: Duration::from_secs(2),
             batch_size: 2000,
+            batch_bytes: DEFAULT_BATCH_BYTES,
             concurrency: DEFAULT_CONCURRENCY,
             lease: Duration::from_secs(8),
             handler_timeout: Duration::from_secs(3),
@@ -85,6 +90,32 @@ impl RelayConfig {
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;
+        self
+    }
+
+    /// How many bytes of payload one batch claims at most (default 16 MiB), among its events
+    /// and as many among its pending deliveries (each counting its event's payload): the bound
+    /// on what a batch holds in memory, whatever the payloads weigh.
+    ///
+    /// A claim takes events in order until the next one would go over this or over the
+    /// [batch size](Self::with_batch_size), whichever comes first; it always takes the first,
+    /// so an event larger than this is claimed alone, not left behind. A payload counts the
+    /// bytes of its JSON text as the outbox stores it. At the default, events of up to 8 KiB
+    /// fill whole batches of 2000; events of 1 MiB are claimed 16 at a time. A relay holds its
+    /// batch, the batch claimed ahead of it and the rests of batches split for retries in
+    /// place, each decoded as well as read: allow a few times this much memory per
+    /// [`run`](crate::Relay::run).
+    ///
+    /// ```
+    /// use outbox_core::RelayConfig;
+    ///
+    /// let config = RelayConfig::default().with_batch_bytes(4 << 20);
+    /// assert_eq!(config.batch_bytes(), 4 << 20);
+    /// assert!(RelayConfig::default().with_batch_bytes(0).validate().is_err());
+    /// ```
+    #[must_use]
+    pub fn with_batch_bytes(mut self, bytes: u64) -> Self {
+        self.batch_bytes = bytes;
         self
     }
 
@@ -224,15 +255,21 @@ impl RelayConfig {
         self.batch_size
     }
 
-    /// How many events a claim asks for: the batch size, or a quarter of it (at least one)
-    /// when the relay should claim `less` (its handlers are what it waits for, or its last
-    /// batch met failures).
-    pub(super) fn claim_size(&self, less: bool) -> u32 {
-        if less {
+    /// The byte limit of a batch.
+    pub fn batch_bytes(&self) -> u64 {
+        self.batch_bytes
+    }
+
+    /// What a claim asks for: the batch size, or a quarter of it (at least one) when the relay
+    /// should claim `less` (its handlers are what it waits for, or its last batch met
+    /// failures); the byte limit either way.
+    pub(super) fn claim_size(&self, less: bool) -> ClaimLimit {
+        let events = if less {
             (self.batch_size / 4).max(1)
         } else {
             self.batch_size
-        }
+        };
+        ClaimLimit::new(events, self.batch_bytes)
     }
 
     /// The most handler calls run at once.
@@ -283,6 +320,9 @@ impl RelayConfig {
                 "batch size",
                 format!("{} is outside 1..=10000", self.batch_size),
             );
+        }
+        if self.batch_bytes == 0 {
+            return invalid("batch bytes", "0 bytes claim nothing".to_owned());
         }
         if !(1..=10_000).contains(&self.concurrency) {
             return invalid(

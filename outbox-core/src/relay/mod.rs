@@ -45,7 +45,9 @@ use lease::Lease;
 
 use crate::error::{ConfigError, StoreError};
 use crate::routing::Router;
-use crate::store::{Batch, Claim, ClaimToken, Outcomes, Recorded, Status, Store, TakeOver};
+use crate::store::{
+    Batch, Claim, ClaimLimit, ClaimToken, Outcomes, Recorded, Status, Store, TakeOver,
+};
 use crate::telemetry::{self, store_operation};
 use succession::{Gate, Holding, Successions};
 
@@ -973,7 +975,7 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// relay's earlier claims.
     async fn claim(
         &self,
-        size: u32,
+        size: ClaimLimit,
         take_over: Vec<TakeOver>,
     ) -> Result<(Batch, Instant, Duration), StoreError> {
         self.builds.renew_if_due(&self.store, &self.router).await?;
@@ -1129,10 +1131,15 @@ mod tests {
     #[test]
     fn a_relay_waiting_on_its_handlers_claims_a_quarter_of_the_batch() {
         let config = RelayConfig::default();
-        assert_eq!(config.claim_size(false), 2000);
-        assert_eq!(config.claim_size(true), 500);
-        let small = RelayConfig::default().with_batch_size(3);
-        assert_eq!((small.claim_size(false), small.claim_size(true)), (3, 1));
+        assert_eq!(config.claim_size(false), ClaimLimit::new(2000, 16 << 20));
+        assert_eq!(config.claim_size(true), ClaimLimit::new(500, 16 << 20));
+        let small = RelayConfig::default()
+            .with_batch_size(3)
+            .with_batch_bytes(10);
+        assert_eq!(
+            (small.claim_size(false), small.claim_size(true)),
+            (ClaimLimit::new(3, 10), ClaimLimit::new(1, 10))
+        );
     }
 
     #[test]
@@ -1141,6 +1148,7 @@ mod tests {
         config.validate().unwrap();
         assert_eq!(config.poll_interval(), Duration::from_secs(2));
         assert_eq!(config.batch_size(), 2000);
+        assert_eq!(config.batch_bytes(), 16 << 20);
         assert_eq!(config.concurrency(), 32);
         assert_eq!(config.retention(), Some(&Retention::default()));
         assert_eq!(
