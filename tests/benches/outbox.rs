@@ -9,7 +9,8 @@
 //! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
 //! `failures`, `transactional` (h), `nats` (i: needs a NATS server with JetStream at
 //! 127.0.0.1:4222 or `NATS_URL`), `mysql` (j: producer and drain on MySQL / MariaDB at
-//! 127.0.0.1:3306 or `MYSQL_URL`), and by hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
+//! 127.0.0.1:3306 or `MYSQL_URL`), `sqlite` (k: producer and drain on a SQLite file), and by
+//! hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
 //! Options: `--runs N` (3), `--events N` (200000), `--seconds N` (5: length of a producer run),
 //! `--window N` (60: how long lag must stay flat in `sustained`), `--soak-minutes N` (10),
 //! `--pressure-minutes N` (5), `--retention S` (in `pressure`: published events are deleted
@@ -44,6 +45,8 @@ mod mysql;
 mod nats;
 #[path = "outbox/pressure.rs"]
 mod pressure;
+#[path = "outbox/sqlite.rs"]
+mod sqlite;
 #[path = "outbox/work.rs"]
 mod work;
 use sqlx::{PgPool, Postgres};
@@ -116,7 +119,7 @@ impl Options {
 }
 
 /// The scenarios of `all`, in the order they run.
-const ALL: [&str; 11] = [
+const ALL: [&str; 12] = [
     "producer",
     "drain",
     "sustained",
@@ -128,6 +131,7 @@ const ALL: [&str; 11] = [
     "transactional",
     "nats",
     "mysql",
+    "sqlite",
 ];
 /// The scenarios run only when named.
 const BY_HAND: [&str; 2] = ["soak", "pressure"];
@@ -137,7 +141,8 @@ const USAGE: &str = "\
 usage: cargo bench -p outbox-tests --bench outbox -- [SCENARIO...] [OPTION...]
 
 scenarios: producer, drain, sustained, latency, naive, handlers (f), writes (g), failures (2b),
-  transactional (h), nats (i), mysql (j), all (these, the default); by hand: soak, pressure
+  transactional (h), nats (i), mysql (j), sqlite (k), all (these, the default); by hand: soak,
+  pressure
 options:
   --runs N              runs per scenario, the median reported (3)
   --events N            events of a drain (200000)
@@ -1125,6 +1130,11 @@ async fn main() {
                 let tuned = (options.batch.is_some() || options.concurrency.is_some())
                     .then(|| options.config());
                 mysql::mysql(options.runs, options.seconds, options.events, tuned).await;
+            }
+            "sqlite" => {
+                let tuned = (options.batch.is_some() || options.concurrency.is_some())
+                    .then(|| options.config());
+                sqlite::sqlite(options.runs, options.seconds, options.events, tuned).await;
             }
             "pressure" => {
                 let half = sustained_half(&options).await;
