@@ -84,6 +84,8 @@ const MIGRATIONS: &[Migration] = &[
 #[derive(Debug)]
 pub struct SqliteQueries {
     insert: SqlStr,
+    /// `insert` of one event: its values bound as they are, not read out of a JSON array.
+    insert_one: SqlStr,
     expire_relays: SqlStr,
     look_again_at_parked: SqlStr,
     register: SqlStr,
@@ -246,6 +248,10 @@ SELECT json_extract(value, '$.t'), unhex(json_extract(value, '$.a')), json_extra
        json_extract(value, '$.p'), coalesce(json_extract(value, '$.o'), $2)
 FROM json_each($1)
 ORDER BY key"#
+            )),
+            insert_one: sql(format!(
+                "INSERT INTO {outbox} (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+                 VALUES ($1, $2, $3, $4, coalesce($5, $6))"
             )),
             expired: sql(format!("SELECT count(*) FROM {claims} WHERE until < $1")),
             expire_events: sql(format!(
@@ -622,6 +628,18 @@ LIMIT $4"#
         queries: &SqliteQueries,
         events: &[NewEvent],
     ) -> Result<(), sqlx::Error> {
+        if let [event] = events {
+            sqlx::query(queries.insert_one.clone())
+                .bind(event.aggregate_type)
+                .bind(event.aggregate_id)
+                .bind(event.event_type)
+                .bind(&event.payload)
+                .bind(event.occurred_at.map(micros))
+                .bind(now())
+                .execute(conn)
+                .await?;
+            return Ok(());
+        }
         let rows: Vec<serde_json::Value> = events
             .iter()
             .map(|e| {
