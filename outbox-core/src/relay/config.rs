@@ -107,11 +107,16 @@ impl RelayConfig {
     /// [`run`](crate::Relay::run).
     ///
     /// ```
-    /// use outbox_core::RelayConfig;
+    /// use outbox_core::{ConfigError, RelayConfig};
     ///
     /// let config = RelayConfig::default().with_batch_bytes(4 << 20);
     /// assert_eq!(config.batch_bytes(), 4 << 20);
-    /// assert!(RelayConfig::default().with_batch_bytes(0).validate().is_err());
+    /// let Err(ConfigError::InvalidSetting { setting, reason }) =
+    ///     RelayConfig::default().with_batch_bytes(0).validate()
+    /// else {
+    ///     panic!("a batch of 0 bytes is refused");
+    /// };
+    /// assert_eq!((setting, reason.as_str()), ("batch bytes", "0 bytes claim nothing"));
     /// ```
     #[must_use]
     pub fn with_batch_bytes(mut self, bytes: u64) -> Self {
