@@ -550,46 +550,24 @@ async fn drain(events: u64, config: RelayConfig, raw_batch: i64) -> ([f64; 3], f
         )
         .unwrap(),
     );
-    let (mut time, mut done) = ([Duration::ZERO; 3], [0_u64; 3]);
-    let mut mode = 0;
-    loop {
-        let start = Instant::now();
-        let delivered = if mode == 0 {
-            relay_slice(&relay, &meter, start, events - done[1] - done[2]).await
-        } else {
-            let (pool, asynchronous) = (pool.clone(), mode == 2);
-            tokio::spawn(async move {
-                let mut delivered = 0;
-                while start.elapsed() < SLICE {
-                    let n = raw_cycle(&pool, raw_batch, asynchronous, async |_| {}).await;
-                    if n == 0 {
-                        break;
-                    }
-                    delivered += n;
-                }
-                delivered
-            })
-            .await
-            .unwrap()
-        };
-        time[mode] += start.elapsed();
-        done[mode] += delivered;
-        if done.iter().sum::<u64>() >= events {
-            break;
+    // The raw loop, committing synchronously or not.
+    let raw = |asynchronous: bool| {
+        let pool = pool.clone();
+        move || {
+            let pool = pool.clone();
+            async move { raw_cycle(&pool, raw_batch, asynchronous, async |_| {}).await }
         }
-        mode = (mode + 1) % 3;
-    }
-    assert_eq!(done.iter().sum::<u64>(), events, "every event drained once");
+    };
+    let (rates, ours) = alternate_drain(&relay, &meter, events, &[raw(false), raw(true)]).await;
     let unpublished: i64 =
         sqlx::query_scalar("SELECT count(*) FROM events.outbox WHERE published_at IS NULL")
             .fetch_one(&pool)
             .await
             .unwrap();
     assert_eq!(unpublished, 0, "every event recorded as published");
-    let rate = |i: usize| done[i] as f64 / time[i].as_secs_f64();
     (
-        [rate(0), rate(1), rate(2)],
-        commits.load(Ordering::Relaxed) as f64 / done[0] as f64 * 100.0,
+        [rates[0], rates[1], rates[2]],
+        commits.load(Ordering::Relaxed) as f64 / ours as f64 * 100.0,
     )
 }
 
@@ -621,6 +599,108 @@ where
     })
     .await
     .unwrap()
+}
+
+/// Drains a backlog of `events`: `relay` and raw loops (`raws`, each one cycle of its loop,
+/// returning how many events it took) taking turns every [`SLICE`] on the same table, ours
+/// first. Returns events per second of ours and of each raw loop, in that order, and how many
+/// events ours delivered.
+async fn alternate_drain<S, R, F, C>(
+    relay: &Arc<Relay<S, R>>,
+    meter: &Meter,
+    events: u64,
+    raws: &[F],
+) -> (Vec<f64>, u64)
+where
+    S: Store + Send + Sync + 'static,
+    R: outbox_core::Router + Send + Sync + 'static,
+    F: Fn() -> C + Clone + Send + 'static,
+    C: Future<Output = u64> + Send,
+{
+    let modes = raws.len() + 1;
+    let (mut time, mut done) = (vec![Duration::ZERO; modes], vec![0_u64; modes]);
+    let mut mode = 0;
+    loop {
+        let start = Instant::now();
+        let delivered = if mode == 0 {
+            relay_slice(relay, meter, start, events - done[1..].iter().sum::<u64>()).await
+        } else {
+            let raw = raws[mode - 1].clone();
+            tokio::spawn(async move {
+                let mut delivered = 0;
+                while start.elapsed() < SLICE {
+                    let n = raw().await;
+                    if n == 0 {
+                        break;
+                    }
+                    delivered += n;
+                }
+                delivered
+            })
+            .await
+            .unwrap()
+        };
+        time[mode] += start.elapsed();
+        done[mode] += delivered;
+        if done.iter().sum::<u64>() >= events {
+            break;
+        }
+        mode = (mode + 1) % modes;
+    }
+    assert_eq!(done.iter().sum::<u64>(), events, "every event drained once");
+    let rates = (0..modes)
+        .map(|i| done[i] as f64 / time[i].as_secs_f64())
+        .collect();
+    (rates, done[0])
+}
+
+/// A backend's producer and drain against raw sqlx, as (j) and (k) report them: `producer`
+/// runs `runs` times, then `drain` at the defaults and, when `tuned` is given, at those
+/// settings too; each row headed by `name`.
+async fn producer_and_drain<P, PF, D, DF>(
+    name: &str,
+    runs: usize,
+    events: u64,
+    tuned: Option<RelayConfig>,
+    producer: P,
+    drain: D,
+) where
+    P: Fn() -> PF,
+    PF: Future<Output = (f64, f64)>,
+    D: Fn(RelayConfig) -> DF,
+    DF: Future<Output = (f64, f64)>,
+{
+    let (mut ours, mut raw) = (Vec::new(), Vec::new());
+    for _ in 0..runs {
+        let (o, r) = producer().await;
+        ours.push(o);
+        raw.push(r);
+    }
+    report(
+        &format!("{name} producer, 16 tasks"),
+        "commits/s",
+        &ours,
+        &raw,
+    );
+    let settings = std::iter::once(("defaults", RelayConfig::default()))
+        .chain(tuned.map(|config| ("as given", config)));
+    for (settings, config) in settings {
+        let (mut ours, mut raw) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            let (o, r) = drain(config.clone()).await;
+            ours.push(o);
+            raw.push(r);
+        }
+        report(
+            &format!(
+                "{name} drain {events}, {settings} (batch {})",
+                config.batch_size()
+            ),
+            "events/s",
+            &ours,
+            &raw,
+        );
+    }
 }
 
 /// How many events a raw cycle claims, unless the drain is given `--raw-batch`.

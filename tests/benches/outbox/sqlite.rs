@@ -5,7 +5,7 @@
 
 use std::str::FromStr;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use outbox_core::{Relay, RelayConfig};
 use outbox_sqlx::Outbox;
@@ -13,7 +13,9 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, SqlitePool};
 use uuid::Uuid;
 
-use super::{Bench, Deposited, Ledger, Meter, SLICE, alternate_commits, relay_slice, report};
+use super::{
+    Bench, Deposited, Ledger, Meter, alternate_commits, alternate_drain, producer_and_drain,
+};
 
 async fn setup(accounts: usize) -> (tempfile::TempDir, Outbox<Sqlite, Bench>, Vec<Uuid>) {
     let dir = tempfile::tempdir().unwrap();
@@ -163,7 +165,7 @@ async fn raw_batch(pool: &SqlitePool) -> u64 {
 }
 
 /// Drains a backlog of `events`, ours (`Relay::run`) and the raw loop alternating every
-/// [`SLICE`] on the same table: events per second of each.
+/// [`SLICE`](super::SLICE) on the same table: events per second of each.
 async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
     let (_dir, outbox, _) = setup(10_000).await;
     let pool = outbox.pool().clone();
@@ -179,73 +181,33 @@ async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
         )
         .unwrap(),
     );
-    let (mut time, mut done) = ([Duration::ZERO; 2], [0_u64; 2]);
-    let mut mode = 0;
-    loop {
-        let start = Instant::now();
-        let delivered = if mode == 0 {
-            relay_slice(&relay, &meter, start, events - done[1]).await
-        } else {
+    let raw = {
+        let pool = pool.clone();
+        move || {
             let pool = pool.clone();
-            tokio::spawn(async move {
-                let mut delivered = 0;
-                while start.elapsed() < SLICE {
-                    let n = raw_batch(&pool).await;
-                    if n == 0 {
-                        break;
-                    }
-                    delivered += n;
-                }
-                delivered
-            })
-            .await
-            .unwrap()
-        };
-        time[mode] += start.elapsed();
-        done[mode] += delivered;
-        if done.iter().sum::<u64>() >= events {
-            break;
+            async move { raw_batch(&pool).await }
         }
-        mode = 1 - mode;
-    }
-    assert_eq!(done.iter().sum::<u64>(), events, "every event drained once");
+    };
+    let (rates, _) = alternate_drain(&relay, &meter, events, &[raw]).await;
     let unpublished: i64 =
         sqlx::query_scalar("SELECT count(*) FROM outbox WHERE published_at IS NULL")
             .fetch_one(&pool)
             .await
             .unwrap();
     assert_eq!(unpublished, 0, "every event recorded as published");
-    let rate = |i: usize| done[i] as f64 / time[i].as_secs_f64();
-    (rate(0), rate(1))
+    (rates[0], rates[1])
 }
 
 /// (k): the producer, then the drain at the defaults and, when `tuned` is given, at those
 /// settings too.
 pub(crate) async fn sqlite(runs: usize, seconds: u64, events: u64, tuned: Option<RelayConfig>) {
-    let (mut ours, mut raw) = (Vec::new(), Vec::new());
-    for _ in 0..runs {
-        let (o, r) = producer(seconds).await;
-        ours.push(o);
-        raw.push(r);
-    }
-    report("(k) SQLite producer, 16 tasks", "commits/s", &ours, &raw);
-    let settings = std::iter::once(("defaults", RelayConfig::default()))
-        .chain(tuned.map(|config| ("as given", config)));
-    for (name, config) in settings {
-        let (mut ours, mut raw) = (Vec::new(), Vec::new());
-        for _ in 0..runs {
-            let (o, r) = drain(events, config.clone()).await;
-            ours.push(o);
-            raw.push(r);
-        }
-        report(
-            &format!(
-                "(k) SQLite drain {events}, {name} (batch {})",
-                config.batch_size()
-            ),
-            "events/s",
-            &ours,
-            &raw,
-        );
-    }
+    producer_and_drain(
+        "(k) SQLite",
+        runs,
+        events,
+        tuned,
+        || producer(seconds),
+        |config| drain(events, config),
+    )
+    .await;
 }
