@@ -29,7 +29,7 @@ pub struct TableNames {
 }
 
 /// The indexes the migrations create, named `<table>_<index>`.
-const INDEXES: [&str; 18] = [
+const INDEXES: [&str; 19] = [
     "pending_idx",
     "published_idx",
     "aggregate_idx",
@@ -45,6 +45,7 @@ const INDEXES: [&str; 18] = [
     "deliveries_claim_idx",
     "inbox_handled_idx",
     "waiting_idx",
+    "claim_parts_idx",
     // Not indexes: PostgreSQL's trigger (and its function) that counts events put back, the
     // function that draws an event's id, and the one that holds a claim.
     "put_back",
@@ -121,6 +122,7 @@ impl TableNames {
             .replace("{outbox}", &table(""))
             .replace("{deliveries_rebuilt}", &table("_deliveries_rebuilt"))
             .replace("{deliveries}", &table("_deliveries"))
+            .replace("{claim_parts}", &table("_claim_parts"))
             .replace("{claims}", &table("_claims"))
             .replace("{holds}", &table("_holds"))
             .replace("{schema}", &self.quoted_schema())

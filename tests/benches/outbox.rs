@@ -1039,10 +1039,13 @@ async fn vacuum_as_autovacuum_would(
     Some(tokio::spawn(async move {
         while !stop.load(Ordering::Relaxed) {
             tokio::time::sleep(Duration::from_secs(10)).await;
-            sqlx::raw_sql("VACUUM events.outbox, events.outbox_deliveries, events.outbox_claims")
-                .execute(&mut conn)
-                .await
-                .unwrap();
+            sqlx::raw_sql(
+                "VACUUM events.outbox, events.outbox_deliveries, events.outbox_claims,
+                        events.outbox_claim_parts",
+            )
+            .execute(&mut conn)
+            .await
+            .unwrap();
         }
     }))
 }

@@ -25,9 +25,10 @@ use super::{
 const WINDOW: Duration = Duration::from_secs(30);
 
 /// The tables each side writes, by what they hold.
-const TABLES: [&str; 3] = [
+const TABLES: [&str; 4] = [
     "events.outbox",
     "events.outbox_claims",
+    "events.outbox_claim_parts",
     "events.outbox_deliveries",
 ];
 
