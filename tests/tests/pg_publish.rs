@@ -49,6 +49,7 @@ async fn custom_schema_and_table_names_are_used() {
         tables,
         [
             "event_log",
+            "event_log_claim_parts",
             "event_log_claims",
             "event_log_deliveries",
             "event_log_holds",
