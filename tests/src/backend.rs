@@ -201,7 +201,7 @@ pub async fn outbox<B: TestBackend, R>() -> (B::Guard, Outbox<B, R>) {
 impl TestBackend for Postgres {
     type Guard = TestDb;
     const NAME: &'static str = "postgres";
-    const LATEST_MIGRATION: i32 = 13;
+    const LATEST_MIGRATION: i32 = 14;
 
     async fn fresh() -> (TestDb, Pool<Postgres>) {
         let db = TestDb::new().await;
