@@ -89,6 +89,18 @@ struct Bench {
     ledger: Ledger,
 }
 
+/// A relay over `store` whose one subscriber counts its deliveries on `meter`.
+fn bench_relay<S: Store>(store: S, meter: &Meter, config: RelayConfig) -> Relay<S, Bench> {
+    Relay::new(
+        store,
+        Bench {
+            ledger: Ledger(meter.clone()),
+        },
+        config,
+    )
+    .unwrap()
+}
+
 struct Options {
     scenarios: Vec<String>,
     runs: usize,
@@ -540,16 +552,7 @@ async fn drain(events: u64, config: RelayConfig, raw_batch: i64) -> ([f64; 3], f
         commits: Arc::default(),
     };
     let commits = store.commits.clone();
-    let relay = Arc::new(
-        Relay::new(
-            store,
-            Bench {
-                ledger: Ledger(meter.clone()),
-            },
-            config,
-        )
-        .unwrap(),
-    );
+    let relay = Arc::new(bench_relay(store, &meter, config));
     // The raw loop, committing synchronously or not.
     let raw = |asynchronous: bool| {
         let pool = pool.clone();
@@ -830,14 +833,7 @@ fn spawn_relay(
     stop: &Arc<AtomicBool>,
     config: RelayConfig,
 ) -> tokio::task::JoinHandle<()> {
-    let relay = Relay::new(
-        outbox.store(),
-        Bench {
-            ledger: Ledger(meter.clone()),
-        },
-        config,
-    )
-    .unwrap();
+    let relay = bench_relay(outbox.store(), meter, config);
     let stop = stop.clone();
     tokio::spawn(async move {
         relay

@@ -4,14 +4,14 @@
 
 use std::sync::Arc;
 
-use outbox_core::{Relay, RelayConfig};
+use outbox_core::RelayConfig;
 use outbox_sqlx::Outbox;
 use outbox_tests::my::TestMyDb;
 use sqlx::{MySql, MySqlPool};
 use uuid::Uuid;
 
 use super::{
-    Bench, Deposited, Ledger, Meter, alternate_commits, alternate_drain, producer_and_drain,
+    Bench, Deposited, Meter, alternate_commits, alternate_drain, bench_relay, producer_and_drain,
 };
 
 async fn setup(accounts: usize) -> (TestMyDb, Outbox<MySql, Bench>, Vec<Uuid>) {
@@ -148,16 +148,7 @@ async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
     let pool = outbox.pool().clone();
     prefill(&pool, events).await;
     let meter = Meter::default();
-    let relay = Arc::new(
-        Relay::new(
-            outbox.store(),
-            Bench {
-                ledger: Ledger(meter.clone()),
-            },
-            config,
-        )
-        .unwrap(),
-    );
+    let relay = Arc::new(bench_relay(outbox.store(), &meter, config));
     let raw = {
         let pool = pool.clone();
         move || {

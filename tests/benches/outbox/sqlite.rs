@@ -7,14 +7,14 @@ use std::str::FromStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::{Relay, RelayConfig};
+use outbox_core::RelayConfig;
 use outbox_sqlx::Outbox;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 use sqlx::{Sqlite, SqlitePool};
 use uuid::Uuid;
 
 use super::{
-    Bench, Deposited, Ledger, Meter, alternate_commits, alternate_drain, producer_and_drain,
+    Bench, Deposited, Meter, alternate_commits, alternate_drain, bench_relay, producer_and_drain,
 };
 
 async fn setup(accounts: usize) -> (tempfile::TempDir, Outbox<Sqlite, Bench>, Vec<Uuid>) {
@@ -171,16 +171,7 @@ async fn drain(events: u64, config: RelayConfig) -> (f64, f64) {
     let pool = outbox.pool().clone();
     prefill(&pool, events).await;
     let meter = Meter::default();
-    let relay = Arc::new(
-        Relay::new(
-            outbox.store(),
-            Bench {
-                ledger: Ledger(meter.clone()),
-            },
-            config,
-        )
-        .unwrap(),
-    );
+    let relay = Arc::new(bench_relay(outbox.store(), &meter, config));
     let raw = {
         let pool = pool.clone();
         move || {
