@@ -593,10 +593,15 @@ fn assemble_with<D>(
     given_back: &dyn Fn((&str, Uuid)) -> bool,
     find_clean: bool,
 ) -> (usize, Outcomes, Clean) {
+    // Result slots for the claims of the part only: a batch records many parts when keys
+    // wait for retries in place, and each part's calls are of its own claims. (The others'
+    // outcomes are not assembled here, and whether a claim is given back whole depends on
+    // its own aggregate's claims only.)
     let mut results: Vec<Vec<Option<Ran>>> = plan
         .claims
         .iter()
         .map(|claim| match claim {
+            _ if !claim.aggregate().is_none_or(in_part) => Vec::new(),
             Planned::FanOut { slots, .. } => slots.iter().map(|_| None).collect(),
             Planned::Again { .. } => vec![None],
             Planned::Event { .. } | Planned::Delivery(_) => Vec::new(),
