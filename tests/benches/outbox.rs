@@ -6,8 +6,8 @@
 //! cargo bench -p outbox-tests --bench outbox -- drain --events 1000000
 //! ```
 //!
-//! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `writes` (g),
-//! `failures`, `transactional` (h), `nats` (i: needs a NATS server with JetStream at
+//! Scenarios: `producer`, `drain`, `sustained`, `latency`, `naive`, `handlers` (f), `computing`
+//! (f'), `writes` (g), `failures`, `transactional` (h), `nats` (i: needs a NATS server with JetStream at
 //! 127.0.0.1:4222 or `NATS_URL`), `mysql` (j: producer and drain on MySQL / MariaDB at
 //! 127.0.0.1:3306 or `MYSQL_URL`), `sqlite` (k: producer and drain on a SQLite file), and by
 //! hand, not in `all`: `soak`, `pressure` (a held snapshot at half capacity).
@@ -16,8 +16,8 @@
 //! `--pressure-minutes N` (5), `--retention S` (in `pressure`: published events are deleted
 //! S seconds after, by our relay's retention and by a purge beside the raw loop; without it,
 //! the default 30 days and nothing),
-//! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `writes`, `failures`,
-//! `transactional`, `nats` and the tuned `drain`; the defaults otherwise), `--raw-batch N` (500:
+//! `--batch N` and `--concurrency N` (the relay's settings in `handlers`, `computing`, `writes`,
+//! `failures`, `transactional`, `nats` and the tuned `drain`; the defaults otherwise), `--raw-batch N` (500:
 //! how many events a cycle of the raw loop claims in `drain`).
 //! Each figure is the median of the runs, after a warm-up of the WAL. Within a run, ours and raw
 //! alternate in half-second slices on one database (producer, drain), or probe by probe
@@ -131,13 +131,14 @@ impl Options {
 }
 
 /// The scenarios of `all`, in the order they run.
-const ALL: [&str; 12] = [
+const ALL: [&str; 13] = [
     "producer",
     "drain",
     "sustained",
     "latency",
     "naive",
     "handlers",
+    "computing",
     "writes",
     "failures",
     "transactional",
@@ -152,9 +153,9 @@ const BY_HAND: [&str; 2] = ["soak", "pressure"];
 const USAGE: &str = "\
 usage: cargo bench -p outbox-tests --bench outbox -- [SCENARIO...] [OPTION...]
 
-scenarios: producer, drain, sustained, latency, naive, handlers (f), writes (g), failures (2b),
-  transactional (h), nats (i), mysql (j), sqlite (k), all (these, the default); by hand: soak,
-  pressure
+scenarios: producer, drain, sustained, latency, naive, handlers (f), computing (f'), writes (g),
+  failures (2b), transactional (h), nats (i), mysql (j), sqlite (k), all (these, the default);
+  by hand: soak, pressure
 options:
   --runs N              runs per scenario, the median reported (3)
   --events N            events of a drain (200000)
@@ -1199,6 +1200,7 @@ async fn main() {
                 );
             }
             "handlers" => work::waiting_handlers(options.runs, &options.config()).await,
+            "computing" => work::computing_handlers(options.runs, &options.config()).await,
             "writes" => work::writing_handlers(options.runs, &options.config()).await,
             "failures" => work::failing_handlers(options.runs, &options.config()).await,
             "transactional" => {

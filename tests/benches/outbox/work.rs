@@ -30,6 +30,8 @@ struct Work {
     audit: Option<PgPool>,
     /// The audit insert skips an event already audited (`ON CONFLICT DO NOTHING`).
     idempotent: bool,
+    /// How long each call computes, holding its thread (a busy loop).
+    compute: Duration,
 }
 
 impl Work {
@@ -41,6 +43,12 @@ impl Work {
             precise_sleep(self.wait).await;
             let waited = u64::try_from(start.elapsed().as_nanos()).unwrap_or(u64::MAX);
             self.waited.fetch_add(waited, Ordering::Relaxed);
+        }
+        if !self.compute.is_zero() {
+            let start = Instant::now();
+            while start.elapsed() < self.compute {
+                std::hint::spin_loop();
+            }
         }
         if self.fail_per_mille > 0 && fastrand::u32(0..1000) < self.fail_per_mille {
             return Err(HandlerError::transient("injected failure"));
@@ -382,6 +390,31 @@ async fn raw_writes(events: u64, concurrency: usize) -> f64 {
         .await;
     }
     events as f64 / start.elapsed().as_secs_f64()
+}
+
+/// (f'): three subscribers whose handlers compute for 200 us each (a busy loop that holds its
+/// thread, as serializing, hashing or rendering does), 5 000 events over 1 000 aggregates, at the
+/// given settings, against what one thread can compute: 1 / (3 x 200 us) events/s. The bench
+/// runs on two worker threads.
+pub(crate) async fn computing_handlers(runs: usize, config: &RelayConfig) {
+    const EVENTS: u64 = 5_000;
+    const COMPUTE: Duration = Duration::from_micros(200);
+    let one_thread = 1.0 / COMPUTE.as_secs_f64() / 3.0;
+    let mut rates = Vec::new();
+    for _ in 0..runs {
+        let work = Work {
+            compute: COMPUTE,
+            ..Work::default()
+        };
+        rates.push(drain_with(EVENTS, 1000, 3, config.clone(), three, work, false).await);
+    }
+    let rate = median(rates.clone());
+    println!(
+        "(f') handlers computing 200 us x 3 subscribers, 5000 events / 1000 aggregates, concurrency {}: {rate:>6.0} events/s   one thread's ceiling {one_thread:.0}   ratio {:.2}   (runs {:?})",
+        config.concurrency(),
+        rate / one_thread,
+        rates.iter().map(|v| v.round()).collect::<Vec<_>>(),
+    );
 }
 
 /// (h): one subscriber's audit insert, exactly once (a plain insert in `handle_once`: a
