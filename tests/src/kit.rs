@@ -143,6 +143,8 @@ pub struct Probe {
     seen: Arc<Mutex<Vec<Seen>>>,
     /// Calls running now.
     pub busy: Arc<std::sync::atomic::AtomicUsize>,
+    /// Calls started so far.
+    pub started: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl Probe {
@@ -207,6 +209,8 @@ impl Probe {
 
     async fn handle(&self, seen: Seen) -> Result<(), HandlerError> {
         self.busy.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.started
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         // Counted down however the call ends (a scripted panic too).
         let _busy = Busy(&self.busy);
         let key = (seen.subscriber.clone(), seen.aggregate, seen.seq);
@@ -511,9 +515,11 @@ pub struct WatchedStore<S> {
     /// How many of the next records of part of a claim fail (see
     /// [`losing_parts`](Self::losing_parts)).
     parts_to_lose: Arc<std::sync::atomic::AtomicUsize>,
-    /// The handler calls running (see [`watching`](Self::watching)).
+    /// The handler calls running, and started (see [`watching`](Self::watching)).
     busy: Arc<std::sync::atomic::AtomicUsize>,
-    /// How many claims that found work started while handler calls ran.
+    started: Arc<std::sync::atomic::AtomicUsize>,
+    /// How many claims that found work were made while handler calls ran: one ran as the
+    /// claim started, or one started before it returned.
     pub claimed_while_busy: Arc<std::sync::atomic::AtomicUsize>,
     /// Notified each time such a claim returns.
     pub claimed_ahead: Arc<tokio::sync::Notify>,
@@ -550,6 +556,7 @@ impl<S> WatchedStore<S> {
             lost_records: Arc::default(),
             parts_to_lose: Arc::default(),
             busy: Arc::default(),
+            started: Arc::default(),
             claimed_while_busy: Arc::default(),
             claimed_ahead: Arc::new(tokio::sync::Notify::new()),
             claims: Arc::default(),
@@ -591,11 +598,14 @@ impl<S> WatchedStore<S> {
         self
     }
 
-    /// Counts the claims that start while `busy` (a [`Probe`]'s running calls) is not zero
-    /// and find work: claims made ahead, while a batch runs.
+    /// Counts the claims that find work while `probe`'s handler calls run (one runs as the
+    /// claim starts, or one starts before it returns): claims made ahead, while a batch runs.
+    /// (A batch's calls run in tasks of their own: a claim ahead may start between two of
+    /// them.)
     #[must_use]
-    pub fn watching(mut self, busy: Arc<std::sync::atomic::AtomicUsize>) -> Self {
-        self.busy = busy;
+    pub fn watching(mut self, probe: &Probe) -> Self {
+        self.busy = probe.busy.clone();
+        self.started = probe.started.clone();
         self
     }
 
@@ -658,6 +668,7 @@ impl<S: Store> Store for WatchedStore<S> {
         filter: &outbox_core::store::ClaimFilter,
     ) -> Result<outbox_core::store::Batch, outbox_core::StoreError> {
         use std::sync::atomic::Ordering::SeqCst;
+        let started = self.started.load(SeqCst);
         let busy = self.busy.load(SeqCst) > 0;
         if busy && self.recording.load(SeqCst) > 0 {
             self.claimed_while_recording.fetch_add(1, SeqCst);
@@ -679,7 +690,7 @@ impl<S: Store> Store for WatchedStore<S> {
             if !filter.take_over.is_empty() {
                 self.took_over.fetch_add(1, SeqCst);
             }
-            if busy {
+            if busy || self.started.load(SeqCst) != started {
                 self.claimed_while_busy.fetch_add(1, SeqCst);
                 self.claimed_ahead.notify_one();
             }

@@ -2027,7 +2027,7 @@ async fn slow_batches<B: TestBackend>(
 ) -> (Vec<Uuid>, WatchedStore<SqlStore<B>>, RelayConfig) {
     let aggregates = publish_rounds(outbox, probe, 100, 3, call).await;
     let store = WatchedStore::new(outbox.store())
-        .watching(probe.busy.clone())
+        .watching(probe)
         .slow_claims(call);
     let slow = config().with_batch_size(40).with_concurrency(1);
     (aggregates, store, slow)

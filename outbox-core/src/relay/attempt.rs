@@ -8,7 +8,10 @@ use tokio::time::Instant;
 use tracing::Instrument;
 use tracing::field::{Empty, display};
 
-use super::Relay;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use super::{Relay, RelayConfig};
 use crate::error::DecodeError;
 use crate::routing::{Decoded, Delivery, HandlerError, Router};
 use crate::store::{ClaimToken, DeliveryOutcome, Store, StoredEvent};
@@ -38,6 +41,53 @@ impl<S: Store, R: Router> Relay<S, R> {
         )
     }
 
+    /// What the tasks of a batch's queues call handlers with.
+    pub(super) fn caller(&self) -> Caller<R> {
+        Caller {
+            router: Arc::clone(&self.router),
+            config: Arc::clone(&self.config),
+            dispatched: Mutex::default(),
+        }
+    }
+}
+
+/// The router and the settings a handler call needs, shared with the tasks that run a batch's
+/// queues (each queue is a task of its own: the runtime's workers run handlers in parallel, and
+/// a queue's next call starts when its last one ends, whatever the relay's own task is doing).
+pub(super) struct Caller<R> {
+    router: Arc<R>,
+    pub(super) config: Arc<RelayConfig>,
+    /// The calls made and not counted yet: event type, status, duration. The batch's own task
+    /// counts them ([`count_dispatched`](Self::count_dispatched)), where the relay runs, so
+    /// that a recorder set for that thread alone (`metrics::set_default_local_recorder`, as
+    /// tests set one) sees them as it saw them when every call ran on that task.
+    dispatched: Mutex<Vec<(String, &'static str, Duration)>>,
+}
+
+impl<R> Caller<R> {
+    /// Counts the calls made since the last count.
+    pub(super) fn count_dispatched(&self) {
+        let dispatched = std::mem::take(
+            &mut *self
+                .dispatched
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        );
+        for (event_type, status, took) in dispatched {
+            telemetry::dispatch_duration(&event_type, took);
+            telemetry::dispatched(&event_type, status);
+        }
+    }
+
+    fn dispatched(&self, event_type: &str, status: &'static str, took: Duration) {
+        self.dispatched
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push((event_type.to_owned(), status, took));
+    }
+}
+
+impl<R: Router> Caller<R> {
     /// Calls one handler in a delivery span, turning a timeout or a panic into a transient
     /// error, and counts the outcome; a failure comes back as what to record.
     pub(super) async fn attempt(
@@ -78,18 +128,18 @@ impl<S: Store, R: Router> Relay<S, R> {
             .call(subscriber, event, decoded, attempt, under)
             .instrument(span.clone())
             .await;
-        telemetry::dispatch_duration(&event.event_type, started.elapsed());
+        let took = started.elapsed();
         let Err(error) = result else {
-            telemetry::dispatched(&event.event_type, status::DELIVERED);
+            self.dispatched(&event.event_type, status::DELIVERED, took);
             return Ok(());
         };
         let outcome = self.after_failure(&error, attempt);
         let _entered = span.enter();
         if let DeliveryOutcome::Retry { retry_in, .. } = &outcome {
-            telemetry::dispatched(&event.event_type, status::RETRY);
+            self.dispatched(&event.event_type, status::RETRY, took);
             tracing::warn!(%error, ?retry_in, "outbox handler failed; it will be retried");
         } else {
-            telemetry::dispatched(&event.event_type, status::DEAD);
+            self.dispatched(&event.event_type, status::DEAD, took);
             tracing::error!(%error, "outbox handler failed for good: a dead letter");
         }
         Err(outcome)

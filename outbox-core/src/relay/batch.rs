@@ -8,15 +8,18 @@ use std::time::Duration;
 use std::future::Future;
 use std::pin::Pin;
 
-use futures_util::StreamExt;
+use std::sync::Arc;
+
 use futures_util::future::OptionFuture;
-use futures_util::stream::FuturesUnordered;
 use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
 use tokio::time::Instant;
+use tracing::Instrument;
+use tracing::instrument::WithSubscriber;
 use uuid::Uuid;
 
 use super::ahead::Progress;
-use super::attempt::Under;
+use super::attempt::{Caller, Under};
 use super::builds::Others;
 use super::lease::Lease;
 use super::plan::{self, Plan, Planned, Routes, Slot, Step};
@@ -31,7 +34,7 @@ use crate::store::{
 /// A relay's routes for planning one batch: its own, and what the other builds registered.
 struct Planning<'a, S, R> {
     relay: &'a Relay<S, R>,
-    others: std::sync::Arc<Others>,
+    others: Arc<Others>,
 }
 
 impl<S: Store, R: Router> Routes for Planning<'_, S, R> {
@@ -116,42 +119,52 @@ impl<S: Store, R: Router> Relay<S, R> {
     pub(super) async fn deliver_batch(
         &self,
         claims: Vec<Claim>,
-        lease: &Lease,
-        progress: &Progress,
-        permits: &Semaphore,
+        lease: Arc<Lease>,
+        progress: Arc<Progress>,
+        permits: Arc<Semaphore>,
         mut split: Option<SplitTx>,
-        gate: Option<&Gate>,
+        gate: Option<Arc<Gate>>,
     ) -> (BatchReport, Outcomes, Clean) {
         let claimed = claims.len();
-        let plan = self.plan(claims);
+        let plan = Arc::new(self.plan(claims));
         progress.planned(plan.queues.iter().map(Vec::len).sum());
         // A part is whole aggregates: a claim whose aggregate could not be read keeps the
         // batch whole.
         if plan.claims.iter().any(|claim| claim.aggregate().is_none()) {
             split = None;
         }
-        let calls = Calls {
-            gate,
+        let calls = Arc::new(Calls {
+            gate: gate.clone(),
             permits,
             out_of_lease: AtomicBool::new(false),
             retried_in_place: AtomicUsize::new(0),
-            progress,
+            progress: Arc::clone(&progress),
             running: AtomicUsize::new(plan.queues.len()),
             waiting: AtomicUsize::new(0),
             started: Instant::now(),
             last_end: AtomicU64::new(0),
             held_back: Notify::new(),
-        };
+        });
         // Fires STALLED_AFTER after the last call's end, if no call ended since: then it is
         // set again, as long as the batch runs.
         let stall = tokio::time::sleep(STALLED_AFTER);
         tokio::pin!(stall);
-        // The futures are made before they are streamed: a closure in the stream would make
-        // the relay's future lose `Send` (rust-lang/rust#102211). Every queue is under way at
-        // once; the permits bound the calls running.
-        let mut running = FuturesUnordered::new();
-        for (index, queue) in plan.queues.iter().enumerate() {
-            running.push(self.run_queue(&plan, index, queue, lease, &calls));
+        // Every queue is under way at once, each a task of its own (aborted if the batch is
+        // dropped); the permits bound the calls running.
+        let caller = Arc::new(self.caller());
+        let mut running = JoinSet::new();
+        for index in 0..plan.queues.len() {
+            running.spawn(
+                run_queue(
+                    Arc::clone(&caller),
+                    Arc::clone(&plan),
+                    index,
+                    Arc::clone(&lease),
+                    Arc::clone(&calls),
+                )
+                .in_current_span()
+                .with_current_subscriber(),
+            );
         }
         let mut ran: Vec<Option<Vec<(Step, Ran)>>> = plan.queues.iter().map(|_| None).collect();
         let parts = split.is_some();
@@ -166,12 +179,19 @@ impl<S: Store, R: Router> Relay<S, R> {
         loop {
             tokio::select! {
                 biased;
-                next = running.next() => match next {
-                    Some((index, result)) => {
+                next = running.join_next() => match next {
+                    Some(Ok((index, result))) => {
                         ran[index] = Some(result);
                         queue_ended = true;
                     }
-                    None => break,
+                    // A panic in the relay's own code (handlers' panics are caught) goes on
+                    // as it would have in this task.
+                    Some(Err(error)) if error.is_panic() => {
+                        std::panic::resume_unwind(error.into_panic())
+                    }
+                    // Cancelled: the runtime shuts down. What it ran is given back with its
+                    // claim.
+                    Some(Err(_)) | None => break,
                 },
                 Some(applied) = OptionFuture::from(recording.as_mut()) => {
                     recording = None;
@@ -185,6 +205,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                     stall.as_mut().reset(if next > now { next } else { now + STALLED_AFTER });
                 }
             }
+            caller.count_dispatched();
             // (Checked after each event: a part record ending, or a queue, may leave the
             // batch held back, with more aggregates done.)
             if !parts || recording.is_some() || !parts_recorded {
@@ -224,8 +245,14 @@ impl<S: Store, R: Router> Relay<S, R> {
                     })
                 })
                 .collect();
-            let (report, outcomes, clean) =
-                self.report(&plan, part, claimed, lease, &|a| done.contains(&a), gate);
+            let (report, outcomes, clean) = self.report(
+                &plan,
+                part,
+                claimed,
+                &lease,
+                &|a| done.contains(&a),
+                gate.as_deref(),
+            );
             self.settle(lease.token(), &plan, &|a| done.contains(&a), &clean);
             recorded.extend(done);
             match split.take() {
@@ -243,6 +270,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 }
             }
         }
+        caller.count_dispatched();
         if let Some(recording) = recording {
             parts_recorded &= recording.await;
         }
@@ -251,9 +279,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             &plan,
             ran,
             claimed,
-            lease,
+            &lease,
             &|a| !recorded.contains(&a),
-            gate,
+            gate.as_deref(),
         );
         if !parts_recorded {
             // A part's record failed: its deliveries stay marked with this claim, which only
@@ -340,161 +368,160 @@ impl<S: Store, R: Router> Relay<S, R> {
             .collect();
         assemble_with(&plan, ran, &|_| true, &|_| false, false).1
     }
+}
 
-    /// Makes one key's calls in order until one fails; the rest are held back. The key holds
-    /// one of the batch's permits while its calls run. A failure whose retry is due within the
-    /// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
-    /// permit) and retried here, if the claim outlasts the wait and the handler timeout.
-    async fn run_queue(
-        &self,
-        plan: &Plan<Decoded>,
-        index: usize,
-        queue: &[Step],
-        lease: &Lease,
-        calls: &Calls<'_>,
-    ) -> (usize, Vec<(Step, Ran)>) {
-        let ran = self.run_steps(plan, queue, lease, calls).await;
-        calls.running.fetch_sub(1, Ordering::Relaxed);
-        calls.note_waiting();
-        (index, ran)
-    }
+/// Makes one key's calls in order until one fails; the rest are held back. The key holds
+/// one of the batch's permits while its calls run. A failure whose retry is due within the
+/// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
+/// permit) and retried here, if the claim outlasts the wait and the handler timeout.
+async fn run_queue<R: Router>(
+    caller: Arc<Caller<R>>,
+    plan: Arc<Plan<Decoded>>,
+    index: usize,
+    lease: Arc<Lease>,
+    calls: Arc<Calls>,
+) -> (usize, Vec<(Step, Ran)>) {
+    let ran = run_steps(&caller, &plan, &plan.queues[index], &lease, &calls).await;
+    calls.running.fetch_sub(1, Ordering::Relaxed);
+    calls.note_waiting();
+    (index, ran)
+}
 
-    /// [`run_queue`](Self::run_queue)'s calls.
-    async fn run_steps(
-        &self,
-        plan: &Plan<Decoded>,
-        queue: &[Step],
-        lease: &Lease,
-        calls: &Calls<'_>,
-    ) -> Vec<(Step, Ran)> {
-        let mut ran = Vec::with_capacity(queue.len());
-        // A key of an aggregate taken over from an earlier claim waits for that claim's work
-        // on it to be recorded clean (as for a retry in place, the batch may split meanwhile);
-        // otherwise none of its events' calls is made (their claims are given back). Its
-        // deliveries (claimed as due, with or without the take-over) run as they would have.
-        let aggregate = queue
-            .first()
-            .and_then(|step| plan.claims[step.claim].aggregate());
-        let mut events_given_back = false;
-        if let (Some(gate), Some(aggregate)) = (calls.gate, aggregate)
-            && gate.holds(aggregate)
-        {
-            // (Counted as waiting, as for a retry in place, if the calls before still ran:
-            // the batch may split meanwhile. Not for a record under way, which is quick.)
-            let counted = gate.waits_on_calls(aggregate);
-            if counted {
-                calls.waiting.fetch_add(1, Ordering::Relaxed);
-                calls.note_waiting();
-            }
-            let clean = gate.wait(aggregate).await;
-            if counted {
-                calls.waiting.fetch_sub(1, Ordering::Relaxed);
-            }
-            events_given_back = !clean;
+/// [`run_queue`]'s calls.
+async fn run_steps<R: Router>(
+    caller: &Caller<R>,
+    plan: &Plan<Decoded>,
+    queue: &[Step],
+    lease: &Lease,
+    calls: &Calls,
+) -> Vec<(Step, Ran)> {
+    let mut ran = Vec::with_capacity(queue.len());
+    // A key of an aggregate taken over from an earlier claim waits for that claim's work
+    // on it to be recorded clean (as for a retry in place, the batch may split meanwhile);
+    // otherwise none of its events' calls is made (their claims are given back). Its
+    // deliveries (claimed as due, with or without the take-over) run as they would have.
+    let aggregate = queue
+        .first()
+        .and_then(|step| plan.claims[step.claim].aggregate());
+    let mut events_given_back = false;
+    if let (Some(gate), Some(aggregate)) = (&calls.gate, aggregate)
+        && gate.holds(aggregate)
+    {
+        // (Counted as waiting, as for a retry in place, if the calls before still ran:
+        // the batch may split meanwhile. Not for a record under way, which is quick.)
+        let counted = gate.waits_on_calls(aggregate);
+        if counted {
+            calls.waiting.fetch_add(1, Ordering::Relaxed);
+            calls.note_waiting();
         }
-        let mut failed = false;
-        // Held from the key's first call to its last, as a worker would hold the key, but
-        // while it waits for a retry. (The semaphore is never closed.)
-        let mut permit = None;
-        for &step in queue {
-            if events_given_back && matches!(plan.claims[step.claim], Planned::FanOut { .. }) {
-                calls.ran(&mut ran, step, Ran::NoLease);
-                continue;
+        let clean = gate.wait(aggregate).await;
+        if counted {
+            calls.waiting.fetch_sub(1, Ordering::Relaxed);
+        }
+        events_given_back = !clean;
+    }
+    let mut failed = false;
+    // Held from the key's first call to its last, as a worker would hold the key, but
+    // while it waits for a retry. (The semaphore is never closed.)
+    let mut permit = None;
+    for &step in queue {
+        if events_given_back && matches!(plan.claims[step.claim], Planned::FanOut { .. }) {
+            calls.ran(&mut ran, step, Ran::NoLease);
+            continue;
+        }
+        if failed {
+            calls.ran(&mut ran, step, Ran::Behind);
+            continue;
+        }
+        if permit.is_none() {
+            permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
+        }
+        if !calls.can_start(lease, caller.config.handler_timeout) {
+            calls.ran(&mut ran, step, Ran::NoLease);
+            continue;
+        }
+        let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim] {
+            Planned::FanOut {
+                event,
+                decoded,
+                expired,
+                slots,
+            } => (event, decoded, &*slots[step.slot].subscriber, 1, *expired),
+            Planned::Again {
+                event,
+                decoded,
+                current,
+                attempts,
+                expired,
+                ..
+            } => (
+                event,
+                decoded,
+                *current,
+                attempts.saturating_add(1),
+                *expired,
+            ),
+            Planned::Event { .. } | Planned::Delivery(_) => {
+                unreachable!("the plan queues only handler calls")
             }
-            if failed {
-                calls.ran(&mut ran, step, Ran::Behind);
-                continue;
-            }
-            if permit.is_none() {
-                permit = calls.permits.acquire().await.ok();
-            }
-            if !calls.can_start(lease, self.config.handler_timeout) {
-                calls.ran(&mut ran, step, Ran::NoLease);
-                continue;
-            }
-            let (event, decoded, subscriber, attempt, expired) = match &plan.claims[step.claim] {
-                Planned::FanOut {
-                    event,
-                    decoded,
-                    expired,
-                    slots,
-                } => (event, decoded, &*slots[step.slot].subscriber, 1, *expired),
-                Planned::Again {
-                    event,
-                    decoded,
-                    current,
-                    attempts,
-                    expired,
-                    ..
-                } => (
-                    event,
-                    decoded,
-                    *current,
-                    attempts.saturating_add(1),
-                    *expired,
-                ),
-                Planned::Event { .. } | Planned::Delivery(_) => {
-                    unreachable!("the plan queues only handler calls")
-                }
+        };
+        let under = Under {
+            token: lease.token(),
+            expired_claims: expired,
+        };
+        let mut attempt = attempt;
+        let result = loop {
+            let outcome = match caller
+                .attempt(subscriber, event, decoded, attempt, under)
+                .await
+            {
+                Ok(()) => break Ran::Delivered,
+                Err(outcome) => outcome,
             };
-            let under = Under {
-                token: lease.token(),
-                expired_claims: expired,
-            };
-            let mut attempt = attempt;
-            let result = loop {
-                let outcome = match self
-                    .attempt(subscriber, event, decoded, attempt, under)
-                    .await
+            let in_place = match &outcome {
+                DeliveryOutcome::Retry {
+                    attempts, retry_in, ..
+                } if *retry_in <= caller.config.retry_in_place
+                    && lease.can_start(*retry_in + caller.config.handler_timeout) =>
                 {
-                    Ok(()) => break Ran::Delivered,
-                    Err(outcome) => outcome,
-                };
-                let in_place = match &outcome {
-                    DeliveryOutcome::Retry {
-                        attempts, retry_in, ..
-                    } if *retry_in <= self.config.retry_in_place
-                        && lease.can_start(*retry_in + self.config.handler_timeout) =>
-                    {
-                        Some((*attempts, *retry_in))
-                    }
-                    _ => None,
-                };
-                let Some((attempts, retry_in)) = in_place else {
-                    failed = true;
-                    break Ran::Failed(outcome);
-                };
-                calls.retried_in_place.fetch_add(1, Ordering::Relaxed);
-                // Other keys' calls run meanwhile.
-                drop(permit.take());
-                calls.waiting.fetch_add(1, Ordering::Relaxed);
-                calls.note_waiting();
-                tokio::time::sleep(retry_in).await;
-                calls.waiting.fetch_sub(1, Ordering::Relaxed);
-                permit = calls.permits.acquire().await.ok();
-                if !calls.can_start(lease, self.config.handler_timeout) {
-                    // Written down as the failure it was, due about now.
-                    failed = true;
-                    break Ran::Failed(outcome);
+                    Some((*attempts, *retry_in))
                 }
-                attempt = attempts.saturating_add(1);
+                _ => None,
             };
-            calls.ran(&mut ran, step, result);
-        }
-        ran
+            let Some((attempts, retry_in)) = in_place else {
+                failed = true;
+                break Ran::Failed(outcome);
+            };
+            calls.retried_in_place.fetch_add(1, Ordering::Relaxed);
+            // Other keys' calls run meanwhile.
+            drop(permit.take());
+            calls.waiting.fetch_add(1, Ordering::Relaxed);
+            calls.note_waiting();
+            tokio::time::sleep(retry_in).await;
+            calls.waiting.fetch_sub(1, Ordering::Relaxed);
+            permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
+            if !calls.can_start(lease, caller.config.handler_timeout) {
+                // Written down as the failure it was, due about now.
+                failed = true;
+                break Ran::Failed(outcome);
+            }
+            attempt = attempts.saturating_add(1);
+        };
+        calls.ran(&mut ran, step, result);
     }
+    ran
 }
 
 /// What the queues of one batch share.
-struct Calls<'a> {
+struct Calls {
     /// What it took over from the claim before.
-    gate: Option<&'a Gate>,
+    gate: Option<Arc<Gate>>,
     /// The handler calls that may run at once: the relay's concurrency.
-    permits: &'a Semaphore,
+    permits: Arc<Semaphore>,
     /// Set once a call could not start for want of lease: no more start.
     out_of_lease: AtomicBool,
     retried_in_place: AtomicUsize,
-    progress: &'a Progress,
+    progress: Arc<Progress>,
     /// Queues not done.
     running: AtomicUsize,
     /// Queues waiting for a retry in place.
@@ -507,7 +534,7 @@ struct Calls<'a> {
     held_back: Notify,
 }
 
-impl Calls<'_> {
+impl Calls {
     /// Whether the queues not done hold the batch back, so that the aggregates done should be
     /// recorded and the relay claim more beside it: every one of them waits for a retry in
     /// place (and one does), or a queue still runs, no call ended for [`STALLED_AFTER`] and no

@@ -7,7 +7,8 @@
 //! - `lease.rs`: the claim of the batch in progress, renewed while its handlers run.
 //! - `plan.rs`: a batch's claims planned (a pure function): what needs no handler is decided,
 //!   the handler calls are queued per (subscriber, aggregate) key.
-//! - `batch.rs`: a plan run, its queues concurrently and each in order, and its outcomes.
+//! - `batch.rs`: a plan run, its queues concurrently (each a task of its own) and each in order,
+//!   and its outcomes.
 //! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed while the
 //!   batch's last calls run.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
@@ -102,8 +103,9 @@ impl BatchReport {
 /// store.
 pub struct Relay<S, R> {
     store: S,
-    router: R,
-    config: RelayConfig,
+    /// Shared with the tasks that run a batch's queues.
+    router: Arc<R>,
+    config: Arc<RelayConfig>,
     /// Shared by every `run` of this relay: workers running one relay do the chores once per
     /// interval between them, and a `run` started again does not redo them.
     chores: Mutex<Chores>,
@@ -305,8 +307,8 @@ impl<S: Store, R: Router> Relay<S, R> {
         telemetry::describe();
         Ok(Self {
             store,
-            router,
-            config,
+            router: Arc::new(router),
+            config: Arc::new(config),
             chores: Mutex::new(Chores::new()),
             builds: builds::Builds::new(&R::catalog()),
             freed: tokio::sync::Notify::new(),
@@ -370,7 +372,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         if under_way.leave() {
             self.builds.unregister(&self.store).await;
             if self.runs.load(SeqCst) > 0
-                && let Err(error) = self.builds.renew(&self.store, &self.router).await
+                && let Err(error) = self.builds.renew(&self.store, &*self.router).await
             {
                 tracing::debug!(%error, "outbox relay could not register again; its next claim will");
             }
@@ -978,7 +980,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         size: ClaimLimit,
         take_over: Vec<TakeOver>,
     ) -> Result<(Batch, Instant, Duration), StoreError> {
-        self.builds.renew_if_due(&self.store, &self.router).await?;
+        self.builds.renew_if_due(&self.store, &*self.router).await?;
         let others = self.builds.others();
         let filter = match take_over.is_empty() {
             false => Cow::Owned(others.filter().taking_over(take_over)),
@@ -992,7 +994,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .inspect_err(|_| telemetry::store_error(store_operation::CLAIM))?;
         let took = sent.elapsed();
         if self.builds.is_stale(batch.registry.as_ref()) {
-            self.builds.renew(&self.store, &self.router).await?;
+            self.builds.renew(&self.store, &*self.router).await?;
         }
         Ok((batch, sent, took))
     }
@@ -1022,14 +1024,15 @@ impl<S: Store, R: Router> Relay<S, R> {
             dead = Empty,
             parked = Empty,
         );
+        let lease = Arc::new(lease);
         let delivering = self
             .deliver_batch(
                 batch.claims,
-                &lease,
-                &progress,
-                &permits,
+                Arc::clone(&lease),
+                progress,
+                permits,
                 split,
-                gate.as_ref(),
+                gate.map(Arc::new),
             )
             .instrument(span.clone());
         let (mut report, outcomes, clean) = tokio::select! {
