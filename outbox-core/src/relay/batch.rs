@@ -189,8 +189,10 @@ impl<S: Store, R: Router> Relay<S, R> {
                     Some(Err(error)) if error.is_panic() => {
                         std::panic::resume_unwind(error.into_panic())
                     }
-                    // Cancelled: the runtime shuts down. What it ran is given back with its
-                    // claim.
+                    // Cancelled: the runtime shuts down. The calls of the queues not reported
+                    // are recorded as not made (waiting deliveries, or given back), as those
+                    // of a batch cut short; without a record, its claim's expiry gives them
+                    // back.
                     Some(Err(_)) | None => break,
                 },
                 Some(applied) = OptionFuture::from(recording.as_mut()) => {
