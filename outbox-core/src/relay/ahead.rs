@@ -11,8 +11,8 @@
 //! The claim ahead is an ordinary claim: it leaves out every aggregate of the batch still
 //! running (a live claim holds them), as it would for another relay, so order per key holds.
 //! So the batch claimed ahead may start beside the last calls of the batch before: once it is
-//! claimed ([`Progress::next_claimed`]) and a call slot is idle, the batch before splits off
-//! (see `batch.rs`).
+//! claimed and planned ([`Progress::next_claimed`]) and a call slot is idle, the batch before
+//! splits off (see `batch.rs`).
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;

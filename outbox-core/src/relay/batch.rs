@@ -118,15 +118,15 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// beside this one's last calls; what is done is then recorded with the rest.
     pub(super) async fn deliver_batch(
         &self,
-        claims: Vec<Claim>,
+        plan: Plan<Decoded>,
         lease: Arc<Lease>,
         progress: Arc<Progress>,
         permits: Arc<Semaphore>,
         mut split: Option<SplitTx>,
         gate: Option<Arc<Gate>>,
     ) -> (BatchReport, Outcomes, Clean) {
-        let claimed = claims.len();
-        let plan = Arc::new(self.plan(claims));
+        let claimed = plan.claims.len();
+        let plan = Arc::new(plan);
         progress.planned(plan.queues.iter().map(Vec::len).sum());
         // A part is whole aggregates: a claim whose aggregate could not be read keeps the
         // batch whole.
@@ -350,7 +350,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .settled(token, part, |a| clean.contains(&a));
     }
 
-    fn plan(&self, claims: Vec<Claim>) -> Plan<Decoded> {
+    pub(super) fn plan(&self, claims: Vec<Claim>) -> Plan<Decoded> {
         let planning = Planning {
             relay: self,
             others: self.builds.others(),
@@ -361,14 +361,13 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// The outcomes of a claimed batch given back unstarted (a relay stopping with a batch it
     /// claimed ahead): what needs no handler is decided, every handler call is left as if the
     /// lease had run short.
-    pub(super) fn give_back(&self, claims: Vec<Claim>) -> Outcomes {
-        let plan = self.plan(claims);
+    pub(super) fn give_back(&self, plan: &Plan<Decoded>) -> Outcomes {
         let ran = plan
             .queues
             .iter()
             .map(|queue| queue.iter().map(|&step| (step, Ran::NoLease)).collect())
             .collect();
-        assemble_with(&plan, ran, &|_| true, &|_| false, false).1
+        assemble_with(plan, ran, &|_| true, &|_| false, false).1
     }
 }
 

@@ -9,8 +9,8 @@
 //!   the handler calls are queued per (subscriber, aggregate) key.
 //! - `batch.rs`: a plan run, its queues concurrently (each a task of its own) and each in order,
 //!   and its outcomes.
-//! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed while the
-//!   batch's last calls run.
+//! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed (and
+//!   planned) while the batch's last calls run.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
 //! - `due.rs`: when an idle relay looks again, for the retries and parked events it recorded.
 
@@ -43,9 +43,10 @@ use batch::Clean;
 pub use config::{RelayConfig, Retention};
 use due::DueTimes;
 use lease::Lease;
+use plan::Plan;
 
 use crate::error::{ConfigError, StoreError};
-use crate::routing::Router;
+use crate::routing::{Decoded, Router};
 use crate::store::{
     Batch, Claim, ClaimLimit, ClaimToken, Outcomes, Recorded, Status, Store, TakeOver,
 };
@@ -222,12 +223,26 @@ impl Failures {
     }
 }
 
-/// A batch claimed while the one before it ran, and its lease (kept meanwhile).
-struct Ahead {
-    batch: Batch,
+/// A claimed batch, planned: ready to be delivered.
+struct Ready {
+    token: ClaimToken,
+    /// [`Batch::more`].
+    more: bool,
+    plan: Plan<Decoded>,
+    /// Its batch span.
+    span: tracing::Span,
     lease: Lease,
     /// What it took over.
     gate: Option<Gate>,
+}
+
+/// A batch claimed while the one before it ran, and its lease (kept meanwhile). It is planned
+/// as soon as it is claimed, so that it starts as soon as the batch before leaves call slots
+/// idle.
+struct Ahead<'a> {
+    ready: Ready,
+    /// Its aggregates in the successions.
+    holding: Option<Holding<'a>>,
     /// How long its claim took.
     took: Duration,
 }
@@ -247,7 +262,7 @@ struct Unrecorded<'a> {
 
 /// What the delivery loop knows for claiming ahead.
 #[derive(Default)]
-struct Lookahead {
+struct Lookahead<'a> {
     /// Whether to claim ahead at all.
     on: bool,
     /// How long the last claim took.
@@ -258,7 +273,7 @@ struct Lookahead {
     /// events of its key in the batch rows of their own).
     claim_less: bool,
     /// The next batch, claimed while the last one ran.
-    next: Option<Ahead>,
+    next: Option<Ahead<'a>>,
 }
 
 /// What a relay's claim gave.
@@ -458,11 +473,11 @@ impl<S: Store, R: Router> Relay<S, R> {
         loop {
             if (&mut shutdown).now_or_never().is_some() {
                 let given_back = lookahead.next.take().map(|ahead| Unrecorded {
-                    outcomes: self.give_back(ahead.batch.claims),
-                    token: ahead.batch.token,
+                    outcomes: self.give_back(&ahead.ready.plan),
+                    token: ahead.ready.token,
                     part: None,
                     clean: Clean::new(),
-                    holding: None,
+                    holding: ahead.holding,
                 });
                 for unrecorded in unrecorded.into_iter().chain(given_back) {
                     self.record_unrecorded(unrecorded).await;
@@ -648,18 +663,18 @@ impl<S: Store, R: Router> Relay<S, R> {
     /// slower than a claim (about as long as the last one took), once `recorded` says the
     /// batch before was recorded. With `parts`, a batch whose keys left only wait for retries
     /// in place is split: what is done is returned to be recorded, with the rest still running.
-    async fn claim_and_deliver(
-        &self,
-        lookahead: &mut Lookahead,
+    async fn claim_and_deliver<'a>(
+        &'a self,
+        lookahead: &mut Lookahead<'a>,
         permits: &Arc<Semaphore>,
         parts: bool,
         recorded: tokio::sync::watch::Receiver<Option<bool>>,
         take_over: Option<(Vec<TakeOver>, Gate)>,
-    ) -> Result<Claimed<'_>, StoreError> {
-        let (batch, lease, gate) = match lookahead.next.take() {
+    ) -> Result<Claimed<'a>, StoreError> {
+        let (ready, holding) = match lookahead.next.take() {
             Some(ahead) => {
                 lookahead.claim_takes = Some(ahead.took);
-                (ahead.batch, ahead.lease, ahead.gate)
+                (ahead.ready, ahead.holding)
             }
             None => {
                 let (take_over, gate) = take_over.unzip();
@@ -676,22 +691,11 @@ impl<S: Store, R: Router> Relay<S, R> {
                     });
                 }
                 lookahead.claim_takes = Some(took);
-                let lease = Lease::new(batch.token, self.config.lease, sent);
-                (batch, lease, gate)
+                let holding = self.hold(&batch);
+                (self.ready(batch, sent, gate), holding)
             }
         };
-        let token = batch.token;
-        // Its aggregates, until its last record, for the claims after it to take over.
-        let holding = self.store.claims_take_over().then(|| {
-            self.successions.hold(
-                token,
-                batch
-                    .claims
-                    .iter()
-                    .filter_map(Claim::event)
-                    .map(|event| (event.aggregate_type.as_str(), event.aggregate_id)),
-            )
-        });
+        let token = ready.token;
         let progress = Arc::new(Progress::new(
             lookahead.claim_takes.filter(|_| lookahead.on),
         ));
@@ -702,14 +706,8 @@ impl<S: Store, R: Router> Relay<S, R> {
             }
             false => (None, None),
         };
-        let mut running: Running<'_> = Box::pin(self.deliver(
-            batch,
-            lease,
-            Arc::clone(&progress),
-            Arc::clone(permits),
-            split,
-            gate,
-        ));
+        let mut running: Running<'_> =
+            Box::pin(self.deliver(ready, Arc::clone(&progress), Arc::clone(permits), split));
         let ahead_done = tokio::sync::Notify::new();
         let started = Instant::now();
         let mut calls_took = Duration::ZERO;
@@ -788,7 +786,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         &self,
         progress: &Progress,
         mut recorded: tokio::sync::watch::Receiver<Option<bool>>,
-    ) -> Option<Ahead> {
+    ) -> Option<Ahead<'_>> {
         if !progress.claim_next().await {
             return None;
         }
@@ -810,18 +808,20 @@ impl<S: Store, R: Router> Relay<S, R> {
                 return None;
             }
         };
-        let lease = Lease::new(batch.token, self.config.lease, sent);
+        // (Planned now, while the calls of the batch in progress run in their own tasks: it
+        // is ready when they leave slots idle.)
+        let holding = self.hold(&batch);
+        let ready = self.ready(batch, sent, gate);
         // The batch in progress splits once it leaves call slots idle, and this one starts.
         progress.next_claimed();
         tokio::select! {
             biased;
             () = progress.wait_over() => {}
-            never = lease.keep(&self.store) => match never {},
+            never = ready.lease.keep(&self.store) => match never {},
         }
         Some(Ahead {
-            batch,
-            lease,
-            gate,
+            ready,
+            holding,
             took,
         })
     }
@@ -1004,17 +1004,24 @@ impl<S: Store, R: Router> Relay<S, R> {
         self.builds.id()
     }
 
-    /// Hands a claimed batch to its subscribers in a batch span, renewing its claim while the
-    /// handlers run.
-    async fn deliver(
-        &self,
-        batch: Batch,
-        lease: Lease,
-        progress: Arc<Progress>,
-        permits: Arc<Semaphore>,
-        split: Option<batch::SplitTx>,
-        gate: Option<Gate>,
-    ) -> (BatchReport, Outcomes, Clean) {
+    /// Enters the aggregates of a claimed batch in the successions, until its last record, for
+    /// the claims after it to take over (a store that takes them over only).
+    fn hold(&self, batch: &Batch) -> Option<Holding<'_>> {
+        self.store.claims_take_over().then(|| {
+            self.successions.hold(
+                batch.token,
+                batch
+                    .claims
+                    .iter()
+                    .filter_map(Claim::event)
+                    .map(|event| (event.aggregate_type.as_str(), event.aggregate_id)),
+            )
+        })
+    }
+
+    /// A batch claimed when the claim was `sent` (its lease runs from then), planned in its
+    /// batch span; `gate`: what its claim took over.
+    fn ready(&self, batch: Batch, sent: Instant, gate: Option<Gate>) -> Ready {
         let span = tracing::info_span!(
             "outbox.batch",
             claim = batch.token.get(),
@@ -1024,10 +1031,38 @@ impl<S: Store, R: Router> Relay<S, R> {
             dead = Empty,
             parked = Empty,
         );
+        let plan = span.in_scope(|| self.plan(batch.claims));
+        Ready {
+            token: batch.token,
+            more: batch.more,
+            plan,
+            span,
+            lease: Lease::new(batch.token, self.config.lease, sent),
+            gate,
+        }
+    }
+
+    /// Hands a planned batch to its subscribers in its batch span, renewing its claim while
+    /// the handlers run.
+    async fn deliver(
+        &self,
+        ready: Ready,
+        progress: Arc<Progress>,
+        permits: Arc<Semaphore>,
+        split: Option<batch::SplitTx>,
+    ) -> (BatchReport, Outcomes, Clean) {
+        let Ready {
+            more,
+            plan,
+            span,
+            lease,
+            gate,
+            ..
+        } = ready;
         let lease = Arc::new(lease);
         let delivering = self
             .deliver_batch(
-                batch.claims,
+                plan,
                 Arc::clone(&lease),
                 progress,
                 permits,
@@ -1041,7 +1076,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             never = lease.keep(&self.store) => match never {},
         };
         report.lost = lease.is_lost();
-        report.more = batch.more;
+        report.more = more;
         span.record("delivered", report.delivered);
         span.record("retried", report.retried);
         span.record("dead", report.dead);

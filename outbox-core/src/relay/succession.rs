@@ -161,7 +161,7 @@ impl Successions {
         self.state.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Enters the aggregates of claim `token`, whose batch starts, until the returned guard is
+    /// Enters the aggregates of claim `token`, just claimed, until the returned guard is
     /// dropped (after the claim's last record): what has not ended clean by then ends unclean.
     pub(super) fn hold<'a>(
         &self,
