@@ -75,6 +75,11 @@ impl Progress {
         self.next_claimed_told.notified().await;
     }
 
+    /// How many of the batch's planned calls are done.
+    pub(super) fn finished(&self) -> usize {
+        self.finished.load(Ordering::Relaxed)
+    }
+
     /// The batch plans `calls` handler calls.
     pub(super) fn planned(&self, calls: usize) {
         self.calls.store(calls, Ordering::Relaxed);
@@ -134,6 +139,34 @@ fn claim_now(elapsed: Duration, claim_takes: Duration, finished: usize, calls: u
     left <= 2.0 * claim_takes.as_secs_f64()
 }
 
+/// Whether the claims after a batch ask for less ([`RelayConfig::claim_size`]): its calls took
+/// `took` (until it ended, or split; `None` when it split before any of its calls ended), its
+/// claim `claim_takes`; `was`: whether its own claim asked for less; `deliveries`: it had
+/// deliveries to record (retries, failures: each failure makes the later events of its key in
+/// the batch rows of their own).
+///
+/// Less when its calls took longer than its claim (the handlers, not the store, are what the
+/// relay waits for) or it had deliveries; the whole batch again only when its calls took less
+/// than half its claim. In between, and after a batch that split before any call ended (its
+/// keys waiting for the batch before, or for retries), as before: a batch of slow handlers
+/// about as long as its claim (a relay's first claim is slow) must not make the next claim take
+/// every aggregate of the backlog, which leaves the claims after it nothing to claim ahead.
+///
+/// [`RelayConfig::claim_size`]: crate::RelayConfig
+pub(super) fn claim_less(
+    was: bool,
+    took: Option<Duration>,
+    claim_takes: Duration,
+    deliveries: bool,
+) -> bool {
+    match took {
+        _ if deliveries => true,
+        Some(took) if took > claim_takes => true,
+        Some(took) => was && took * 2 >= claim_takes,
+        None => was,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +200,30 @@ mod tests {
             "every call is done: the batch is over"
         );
         assert!(!claim_now(10 * MS, 5 * MS, 0, 0), "a batch without calls");
+    }
+
+    #[test]
+    fn slow_handlers_or_deliveries_make_the_claims_smaller() {
+        assert!(claim_less(false, Some(30 * MS), 20 * MS, false));
+        assert!(claim_less(false, Some(MS), 20 * MS, true), "deliveries");
+        assert!(claim_less(false, None, 20 * MS, true));
+    }
+
+    #[test]
+    fn only_handlers_clearly_quicker_than_the_claim_make_them_whole_again() {
+        assert!(!claim_less(true, Some(9 * MS), 20 * MS, false));
+        // A first claim slower than the batch it claimed: the handlers are not quick.
+        assert!(claim_less(true, Some(28 * MS), 30 * MS, false));
+        assert!(claim_less(true, Some(10 * MS), 20 * MS, false));
+        // Whole claims stay whole while the calls are no slower than the claim.
+        assert!(!claim_less(false, Some(20 * MS), 20 * MS, false));
+        assert!(!claim_less(false, Some(MS), 20 * MS, false));
+    }
+
+    #[test]
+    fn a_batch_split_before_any_call_ended_leaves_the_claim_size_as_it_was() {
+        assert!(claim_less(true, None, 20 * MS, false));
+        assert!(!claim_less(false, None, 20 * MS, false));
     }
 
     #[tokio::test(start_paused = true)]

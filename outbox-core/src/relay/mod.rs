@@ -267,10 +267,8 @@ struct Lookahead<'a> {
     on: bool,
     /// How long the last claim took.
     claim_takes: Option<Duration>,
-    /// Whether the next claims ask for less ([`RelayConfig::claim_size`]): the last batch's
-    /// calls took longer than its claim (the handlers, not the store, are what the relay waits
-    /// for), or it had deliveries to record (retries, failures: each failure makes the later
-    /// events of its key in the batch rows of their own).
+    /// Whether the next claims ask for less ([`RelayConfig::claim_size`]), as the batches so
+    /// far say ([`ahead::claim_less`]).
     claim_less: bool,
     /// The next batch, claimed while the last one ran.
     next: Option<Ahead<'a>>,
@@ -710,7 +708,9 @@ impl<S: Store, R: Router> Relay<S, R> {
             Box::pin(self.deliver(ready, Arc::clone(&progress), Arc::clone(permits), split));
         let ahead_done = tokio::sync::Notify::new();
         let started = Instant::now();
-        let mut calls_took = Duration::ZERO;
+        // How long the batch's calls took (until it ended or split): `None` when it split
+        // before any ended.
+        let mut calls_took = None;
         let delivering = async {
             let split_off = async {
                 match first_part.as_mut() {
@@ -723,7 +723,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 whole = &mut running => Err(whole),
                 Some(part) = split_off => Ok(part),
             };
-            calls_took = started.elapsed();
+            calls_took = (ended.is_err() || progress.finished() > 0).then(|| started.elapsed());
             progress.over();
             let Ok(part) = ended else {
                 return ended;
@@ -747,11 +747,17 @@ impl<S: Store, R: Router> Relay<S, R> {
         };
         let (ended, next) = tokio::join!(delivering, claiming_ahead);
         lookahead.next = next;
-        let slow_calls = lookahead.claim_takes.is_some_and(|c| calls_took > c);
-        // A split batch is no reason by itself: its keys wait for retries in place, not for
-        // slow handlers, and the aggregates it frees are claimed a batch's worth at a time.
         // (Of a split batch only the first part's deliveries are known here.)
-        let claim_less = |outcomes: &Outcomes| slow_calls || !outcomes.deliveries.is_empty();
+        let was = lookahead.claim_less;
+        let claim_less = |outcomes: &Outcomes| match lookahead.claim_takes {
+            Some(claim_takes) => ahead::claim_less(
+                was,
+                calls_took,
+                claim_takes,
+                !outcomes.deliveries.is_empty(),
+            ),
+            None => was || !outcomes.deliveries.is_empty(),
+        };
         Ok(match ended {
             Ok((report, outcomes, clean)) => {
                 lookahead.claim_less = claim_less(&outcomes);
