@@ -76,17 +76,17 @@ impl RelayConfig {
     /// A claim takes what is there up to this many, so a large batch costs nothing when little
     /// waits; it pays when a backlog builds: one claim and one record per batch, and more
     /// (subscriber, aggregate) keys whose handlers can run at once. While the handlers are what
-    /// the relay waits for (its last batch's calls took longer than its claim), it claims a
-    /// quarter of this (at least one): the claims then overlap the handlers, and a smaller batch
-    /// ends sooner and holds fewer aggregates back from the claim ahead of it. So it does after
-    /// a batch with deliveries to record (failures or retries not made in place): a failed call
-    /// makes the later events of its key in the batch delivery rows of their own, more of them
-    /// in a larger batch. (A retry made in place writes no row: after it, quick handlers get
-    /// the whole batch.) Its first claim is a quarter too (it knows nothing of its handlers
-    /// yet: slow ones would make a whole first batch hold every aggregate of a backlog, with
-    /// nothing to claim ahead of it). The seed's 50 drains a backlog at about a third of the
-    /// rate of 500 on PostgreSQL, and 500 at about three quarters of the rate of 2000 (see the
-    /// README's benchmark).
+    /// the relay waits for (a batch's calls took longer than its claim), it claims a quarter of
+    /// this (at least one), until a batch's calls take less than half its claim: the claims then
+    /// overlap the handlers, and a smaller batch ends sooner and holds fewer aggregates back from
+    /// the claim ahead of it. So it does after a batch with deliveries to record (failures or
+    /// retries not made in place): a failed call makes the later events of its key in the batch
+    /// delivery rows of their own, more of them in a larger batch. (A retry made in place writes
+    /// no row: after it, quick handlers get the whole batch.) Its first claim is a quarter too
+    /// (it knows nothing of its handlers yet: slow ones would make a whole first batch hold
+    /// every aggregate of a backlog, with nothing to claim ahead of it). The seed's 50 drains a
+    /// backlog at about a third of the rate of 500 on PostgreSQL, and 500 at about three
+    /// quarters of the rate of 2000 (see the README's benchmark).
     #[must_use]
     pub fn with_batch_size(mut self, size: u32) -> Self {
         self.batch_size = size;
