@@ -225,7 +225,6 @@ impl Failures {
 
 /// A claimed batch, planned: ready to be delivered.
 struct Ready {
-    token: ClaimToken,
     /// [`Batch::more`].
     more: bool,
     plan: Plan<Decoded>,
@@ -472,7 +471,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             if (&mut shutdown).now_or_never().is_some() {
                 let given_back = lookahead.next.take().map(|ahead| Unrecorded {
                     outcomes: self.give_back(&ahead.ready.plan),
-                    token: ahead.ready.token,
+                    token: ahead.ready.lease.token(),
                     part: None,
                     clean: Clean::new(),
                     holding: ahead.holding,
@@ -693,7 +692,7 @@ impl<S: Store, R: Router> Relay<S, R> {
                 (self.ready(batch, sent, gate), holding)
             }
         };
-        let token = ready.token;
+        let token = ready.lease.token();
         let progress = Arc::new(Progress::new(
             lookahead.claim_takes.filter(|_| lookahead.on),
         ));
@@ -1039,7 +1038,6 @@ impl<S: Store, R: Router> Relay<S, R> {
         );
         let plan = span.in_scope(|| self.plan(batch.claims));
         Ready {
-            token: batch.token,
             more: batch.more,
             plan,
             span,
@@ -1063,7 +1061,6 @@ impl<S: Store, R: Router> Relay<S, R> {
             span,
             lease,
             gate,
-            ..
         } = ready;
         let lease = Arc::new(lease);
         let delivering = self
