@@ -38,6 +38,7 @@ on_every_backend!(
     deliveries_are_claimed_within_the_bytes_of_a_batch_too,
     a_retry_due_within_the_in_place_limit_is_made_in_the_batch_in_order,
     a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate,
+    a_key_waiting_for_its_retry_in_place_leaves_its_call_slot_to_the_keys_after_it,
     aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait,
     a_key_waiting_alone_in_its_batch_for_a_retry_in_place_holds_back_no_other_aggregate,
     aggregates_freed_while_a_batch_still_waits_are_claimed_at_once,
@@ -1304,6 +1305,33 @@ async fn a_key_waiting_for_its_retry_in_place_holds_back_only_its_own_aggregate<
         3,
         "a: one failure, its retry, its second event"
     );
+}
+
+/// At concurrency 1, a key of a batch waiting for its retry in place leaves its call slot to the
+/// keys after it in the same batch: they are called meanwhile, not after its retry.
+async fn a_key_waiting_for_its_retry_in_place_leaves_its_call_slot_to_the_keys_after_it<
+    B: TestBackend,
+>() {
+    let (_db, outbox) = setup::<B>().await;
+    let probe = Probe::default();
+    let (a, b, c) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    probe.fail("x", a, 1, [Fail::Transient]);
+    // a's first event fails and waits 3 s for its retry, in the batch; one call at a time.
+    let config = config()
+        .with_concurrency(1)
+        .with_retry(RetryPolicy::new([Duration::from_secs(3)]).unwrap())
+        .with_retry_in_place(Duration::from_millis(3500));
+    let relay = relay(&outbox, OnlyX::new(&probe), config);
+    // One commit, so one claim: a's queue first, then b's and c's.
+    publish_pings(&outbox, &[(a, 1), (b, 1), (c, 1), (b, 2)]).await;
+    let worker = tokio::spawn(async move { relay.run(std::future::pending()).await });
+    delivered_while_waiting(&probe, (c, 1), a, 1).await;
+    delivered_while_waiting(&probe, (b, 2), a, 1).await;
+    wait_for(|| probe.delivered_to("x").len() == 4).await;
+    worker.abort();
+    each_once_in_order(&probe, &[b], 2);
+    each_once_in_order(&probe, &[a, c], 1);
+    assert_eq!(calls_for(&probe, a), 2, "a: one failure, its retry");
 }
 
 async fn aggregates_whose_retries_in_place_end_are_freed_while_others_still_wait<B: TestBackend>() {
