@@ -285,14 +285,15 @@ enum Claimed<'a> {
         Option<Holding<'a>>,
     ),
     /// A batch whose aggregates that are done are to be recorded now (the outcomes), while
-    /// `rest` runs the keys waiting for a retry in place and gives the rest of the outcomes.
+    /// its rest, handed on to run beside the delivery loop ([`Relay::hand_on_rest`]), runs the
+    /// keys waiting for a retry in place and records the rest of the outcomes once told
+    /// through `part_recorded` whether these were recorded.
     Split {
         token: ClaimToken,
         report: BatchReport,
         outcomes: Outcomes,
         clean: Clean,
-        rest: Running<'a>,
-        holding: Option<Holding<'a>>,
+        part_recorded: tokio::sync::oneshot::Sender<bool>,
     },
     /// No work; `more` when the store may find some if asked again at once; `next_due`: when
     /// the store's earliest retry not due yet is due, from the claim (`Batch::next_due`).
@@ -304,6 +305,12 @@ enum Claimed<'a> {
 
 /// A batch's delivery under way: its report and outcomes when it is done.
 type Running<'a> = Pin<Box<dyn Future<Output = (BatchReport, Outcomes, Clean)> + Send + 'a>>;
+
+/// Where the delivery loop hands the rests of the batches it split, to be run beside it.
+struct HandOn<'a> {
+    rests: &'a Rests,
+    to_finish: tokio::sync::mpsc::UnboundedSender<Pin<Box<dyn Future<Output = ()> + Send + 'a>>>,
+}
 
 /// What the rests of split batches, finished beside the delivery loop, tell it.
 #[derive(Default)]
@@ -451,7 +458,8 @@ impl<S: Store, R: Router> Relay<S, R> {
         >,
     ) {
         let mut shutdown = std::pin::pin!(shutdown);
-        let parts = self.store.records_parts();
+        let hand_on = HandOn { rests, to_finish };
+        let parts = self.store.records_parts().then_some(&hand_on);
         let takes_over = self.store.claims_take_over();
         let mut failures = Failures::default();
         // The last batch's outcomes, not recorded yet.
@@ -534,32 +542,9 @@ impl<S: Store, R: Router> Relay<S, R> {
                     report,
                     outcomes,
                     clean,
-                    rest,
-                    holding,
+                    part_recorded,
                 }) => {
                     failures.reset();
-                    // The rest runs on at once: a call of it may hold a transaction that locks
-                    // the claim (`Outbox::hold_claim`), which this part's record then waits
-                    // for. It records itself after this part.
-                    let (part_recorded, was_recorded) = tokio::sync::oneshot::channel();
-                    let finish = async move {
-                        let (report, outcomes, clean) = rest.await;
-                        // (Not after a part that could not be recorded: its deliveries stay
-                        // marked with the claim, which only its expiry gives back.)
-                        let recorded = was_recorded.await.unwrap_or(false);
-                        if recorded && !report.lost {
-                            self.record_clean(token, &outcomes, false, &clean).await;
-                            let mut next_due = rests
-                                .next_due
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner);
-                            next_due.note(&outcomes);
-                        }
-                        drop(holding);
-                        self.freed.notify_one();
-                    };
-                    // (The receiver outlives this loop.)
-                    let _ = to_finish.send(Box::pin(finish));
                     if report.lost {
                         let _ = part_recorded.send(false);
                     } else if lookahead.next.is_some() || takes_over {
@@ -618,6 +603,42 @@ impl<S: Store, R: Router> Relay<S, R> {
         }
     }
 
+    /// Hands the rest of a batch that split on, to run beside the delivery loop from now on:
+    /// nothing it began waits unpolled (a part record it began keeps its transaction, and its
+    /// locks, open until polled again), and a call of it may hold a transaction that locks the
+    /// claim (`Outbox::hold_claim`), which the first part's record then waits for. It records
+    /// itself once told, through the sender returned, whether the first part was recorded,
+    /// and frees its aggregates.
+    fn hand_on_rest<'a>(
+        &'a self,
+        hand_on: &HandOn<'a>,
+        token: ClaimToken,
+        rest: Running<'a>,
+        holding: Option<Holding<'a>>,
+    ) -> tokio::sync::oneshot::Sender<bool> {
+        let (part_recorded, was_recorded) = tokio::sync::oneshot::channel();
+        let rests = hand_on.rests;
+        let finish = async move {
+            let (report, outcomes, clean) = rest.await;
+            // (Not after a part that could not be recorded: its deliveries stay marked with
+            // the claim, which only its expiry gives back.)
+            let recorded = was_recorded.await.unwrap_or(false);
+            if recorded && !report.lost {
+                self.record_clean(token, &outcomes, false, &clean).await;
+                let mut next_due = rests
+                    .next_due
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner);
+                next_due.note(&outcomes);
+            }
+            drop(holding);
+            self.freed.notify_one();
+        };
+        // (The receiver outlives the delivery loop.)
+        let _ = hand_on.to_finish.send(Box::pin(finish));
+        part_recorded
+    }
+
     /// Records outcomes the delivery loop left to record beside its next batch; tells a part's
     /// rest whether the part was recorded. Returns the outcomes, and whether they were
     /// recorded.
@@ -664,7 +685,7 @@ impl<S: Store, R: Router> Relay<S, R> {
         &'a self,
         lookahead: &mut Lookahead<'a>,
         permits: &Arc<Semaphore>,
-        parts: bool,
+        parts: Option<&HandOn<'a>>,
         recorded: tokio::sync::watch::Receiver<Option<bool>>,
         take_over: Option<(Vec<TakeOver>, Gate)>,
     ) -> Result<Claimed<'a>, StoreError> {
@@ -697,11 +718,11 @@ impl<S: Store, R: Router> Relay<S, R> {
             lookahead.claim_takes.filter(|_| lookahead.on),
         ));
         let (split, mut first_part) = match parts {
-            true => {
+            Some(_) => {
                 let (split, first_part) = tokio::sync::oneshot::channel();
                 (Some(split), Some(first_part))
             }
-            false => (None, None),
+            None => (None, None),
         };
         let mut running: Running<'_> =
             Box::pin(self.deliver(ready, Arc::clone(&progress), Arc::clone(permits), split));
@@ -760,13 +781,13 @@ impl<S: Store, R: Router> Relay<S, R> {
         Ok(match ended {
             Ok((report, outcomes, clean)) => {
                 lookahead.claim_less = claim_less(&outcomes);
+                let hand_on = parts.expect("a batch splits only with parts");
                 Claimed::Split {
                     token,
                     report,
                     outcomes,
                     clean,
-                    rest: running,
-                    holding,
+                    part_recorded: self.hand_on_rest(hand_on, token, running, holding),
                 }
             }
             // (A part sent as the batch ended is recorded with the rest, at once.)
@@ -947,7 +968,7 @@ impl<S: Store, R: Router> Relay<S, R> {
             .claim_and_deliver(
                 &mut lookahead,
                 &permits,
-                false,
+                None,
                 tokio::sync::watch::channel(Some(true)).1,
                 None,
             )
