@@ -1,4 +1,4 @@
-//! A batch's handler calls run on the runtime's worker threads, each key's as a task of its own,
+//! A batch's handler calls run on the runtime's worker threads, in tasks of their own,
 //! not all on the relay's task: two calls of different keys that each hold their thread until
 //! the other has started both succeed on a runtime of two workers. (On one task, the first
 //! would hold the thread its partner needs, and give up.)

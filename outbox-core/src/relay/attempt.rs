@@ -52,8 +52,9 @@ impl<S: Store, R: Router> Relay<S, R> {
 }
 
 /// The router and the settings a handler call needs, shared with the tasks that run a batch's
-/// queues (each queue is a task of its own: the runtime's workers run handlers in parallel, and
-/// a queue's next call starts when its last one ends, whatever the relay's own task is doing).
+/// queues (its runners, tasks of their own: the runtime's workers run handlers in parallel, and
+/// a queue's next call, or the next queue's first, starts when its last one ends, whatever the
+/// relay's own task is doing).
 pub(super) struct Caller<R> {
     router: Arc<R>,
     pub(super) config: Arc<RelayConfig>,

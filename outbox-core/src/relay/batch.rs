@@ -11,7 +11,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 
 use futures_util::future::OptionFuture;
-use tokio::sync::{Notify, Semaphore};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
 use tokio::time::Instant;
 use tracing::Instrument;
@@ -145,26 +146,32 @@ impl<S: Store, R: Router> Relay<S, R> {
             last_end: AtomicU64::new(0),
             held_back: Notify::new(),
         });
+        // Each queue's calls as it ends; the runners' asks for one more.
+        let (ended_tx, mut ended) = tokio::sync::mpsc::unbounded_channel();
+        let (more_tx, mut more) = tokio::sync::mpsc::unbounded_channel();
         // Fires STALLED_AFTER after the last call's end, if no call ended since: then it is
         // set again, as long as the batch runs.
         let stall = tokio::time::sleep(STALLED_AFTER);
         tokio::pin!(stall);
-        // Every queue is under way at once, each a task of its own (aborted if the batch is
-        // dropped); the permits bound the calls running.
+        // The queues run in runners, tasks of their own (aborted if the batch is dropped), as
+        // many as calls may run at once: each takes the next queue not started, runs it, and
+        // goes on to the next with the permit it holds, so that a call slot passes from one
+        // key to the next without waiting for another task to be polled. A runner about to
+        // wait (a retry in place, a take-over) asks for one more runner, so that the keys not
+        // started do not wait for it; the permits bound the calls running.
         let caller = Arc::new(self.caller());
+        let runners = Runners {
+            caller: Arc::clone(&caller),
+            plan: Arc::clone(&plan),
+            lease: Arc::clone(&lease),
+            calls: Arc::clone(&calls),
+            next: Arc::new(AtomicUsize::new(0)),
+            ended: ended_tx,
+            more: more_tx,
+        };
         let mut running = JoinSet::new();
-        for index in 0..plan.queues.len() {
-            running.spawn(
-                run_queue(
-                    Arc::clone(&caller),
-                    Arc::clone(&plan),
-                    index,
-                    Arc::clone(&lease),
-                    Arc::clone(&calls),
-                )
-                .in_current_span()
-                .with_current_subscriber(),
-            );
+        for _ in 0..self.config.concurrency.clamp(1, plan.queues.len().max(1)) {
+            runners.spawn(&mut running);
         }
         let mut ran: Vec<Option<Vec<(Step, Ran)>>> = plan.queues.iter().map(|_| None).collect();
         let parts = split.is_some();
@@ -179,21 +186,30 @@ impl<S: Store, R: Router> Relay<S, R> {
         loop {
             tokio::select! {
                 biased;
+                Some((index, result)) = ended.recv() => {
+                    ran[index] = Some(result);
+                    queue_ended = true;
+                }
+                Some(()) = more.recv() => runners.spawn(&mut running),
                 next = running.join_next() => match next {
-                    Some(Ok((index, result))) => {
-                        ran[index] = Some(result);
-                        queue_ended = true;
-                    }
+                    Some(Ok(())) => {}
                     // A panic in the relay's own code (handlers' panics are caught) goes on
                     // as it would have in this task.
                     Some(Err(error)) if error.is_panic() => {
                         std::panic::resume_unwind(error.into_panic())
                     }
+                    // Every runner ended: every queue's calls were sent before.
+                    None => {
+                        while let Ok((index, result)) = ended.try_recv() {
+                            ran[index] = Some(result);
+                        }
+                        break;
+                    }
                     // Cancelled: the runtime shuts down. The calls of the queues not reported
                     // are recorded as not made (waiting deliveries, or given back), as those
                     // of a batch cut short; without a record, its claim's expiry gives them
                     // back.
-                    Some(Err(_)) | None => break,
+                    Some(Err(_)) => break,
                 },
                 Some(applied) = OptionFuture::from(recording.as_mut()) => {
                     recording = None;
@@ -371,30 +387,87 @@ impl<S: Store, R: Router> Relay<S, R> {
     }
 }
 
-/// Makes one key's calls in order until one fails; the rest are held back. The key holds
-/// one of the batch's permits while its calls run. A failure whose retry is due within the
-/// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
-/// permit) and retried here, if the claim outlasts the wait and the handler timeout.
-async fn run_queue<R: Router>(
+/// What the runners of one batch share.
+struct Runners<R> {
     caller: Arc<Caller<R>>,
     plan: Arc<Plan<Decoded>>,
-    index: usize,
     lease: Arc<Lease>,
     calls: Arc<Calls>,
-) -> (usize, Vec<(Step, Ran)>) {
-    let ran = run_steps(&caller, &plan, &plan.queues[index], &lease, &calls).await;
-    calls.running.fetch_sub(1, Ordering::Relaxed);
-    calls.note_waiting();
-    (index, ran)
+    /// The next queue no runner took.
+    next: Arc<AtomicUsize>,
+    /// Each queue's calls, as it ends.
+    ended: UnboundedSender<(usize, Vec<(Step, Ran)>)>,
+    /// A runner's ask for one more, as it is about to wait.
+    more: UnboundedSender<()>,
 }
 
-/// [`run_queue`]'s calls.
+impl<R: Router> Runners<R> {
+    /// Adds a runner, if a queue is left for it.
+    fn spawn(&self, running: &mut JoinSet<()>) {
+        if self.next.load(Ordering::Relaxed) >= self.plan.queues.len() {
+            return;
+        }
+        let runner = Runners {
+            caller: Arc::clone(&self.caller),
+            plan: Arc::clone(&self.plan),
+            lease: Arc::clone(&self.lease),
+            calls: Arc::clone(&self.calls),
+            next: Arc::clone(&self.next),
+            ended: self.ended.clone(),
+            more: self.more.clone(),
+        };
+        running.spawn(runner.run().in_current_span().with_current_subscriber());
+    }
+
+    /// Runs the queues no runner took, one after the other, until none is left.
+    async fn run(self) {
+        let mut permit = None;
+        loop {
+            let index = self.next.fetch_add(1, Ordering::Relaxed);
+            let Some(queue) = self.plan.queues.get(index) else {
+                return;
+            };
+            let ran = run_steps(
+                &self.caller,
+                &self.plan,
+                queue,
+                &self.lease,
+                &self.calls,
+                &mut permit,
+                // (The receiver gone: the batch is over.)
+                &|| {
+                    let _ = self.more.send(());
+                },
+            )
+            .await;
+            self.calls.running.fetch_sub(1, Ordering::Relaxed);
+            // (The receiver gone: the batch is over.)
+            if self.ended.send((index, ran)).is_err() {
+                return;
+            }
+            // A permit kept while no queue is left would hold a call slot idle.
+            if self.next.load(Ordering::Relaxed) >= self.plan.queues.len() {
+                drop(permit.take());
+            }
+            self.calls.note_waiting();
+        }
+    }
+}
+
+/// Makes one key's calls in order until one fails; the rest are held back. The key holds
+/// one of the batch's permits while its calls run (`permit`, which its runner may hold
+/// already and keeps for the next key). A failure whose retry is due within the
+/// [in-place limit](crate::RelayConfig::with_retry_in_place) is waited for (without a
+/// permit) and retried here, if the claim outlasts the wait and the handler timeout. Before
+/// any wait, `waiting` is called (the runner asks for one more).
 async fn run_steps<R: Router>(
     caller: &Caller<R>,
     plan: &Plan<Decoded>,
     queue: &[Step],
     lease: &Lease,
     calls: &Calls,
+    permit: &mut Option<OwnedSemaphorePermit>,
+    waiting: &(dyn Fn() + Sync),
 ) -> Vec<(Step, Ran)> {
     let mut ran = Vec::with_capacity(queue.len());
     // A key of an aggregate taken over from an earlier claim waits for that claim's work
@@ -411,6 +484,8 @@ async fn run_steps<R: Router>(
         // (Counted as waiting, as for a retry in place, if the calls before still ran:
         // the batch may split meanwhile. Not for a record under way, which is quick.)
         let counted = gate.waits_on_calls(aggregate);
+        drop(permit.take());
+        waiting();
         if counted {
             calls.waiting.fetch_add(1, Ordering::Relaxed);
             calls.note_waiting();
@@ -424,7 +499,6 @@ async fn run_steps<R: Router>(
     let mut failed = false;
     // Held from the key's first call to its last, as a worker would hold the key, but
     // while it waits for a retry. (The semaphore is never closed.)
-    let mut permit = None;
     for &step in queue {
         if events_given_back && matches!(plan.claims[step.claim], Planned::FanOut { .. }) {
             calls.ran(&mut ran, step, Ran::NoLease);
@@ -435,7 +509,7 @@ async fn run_steps<R: Router>(
             continue;
         }
         if permit.is_none() {
-            permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
+            *permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
         }
         if !calls.can_start(lease, caller.config.handler_timeout) {
             calls.ran(&mut ran, step, Ran::NoLease);
@@ -496,11 +570,12 @@ async fn run_steps<R: Router>(
             calls.retried_in_place.fetch_add(1, Ordering::Relaxed);
             // Other keys' calls run meanwhile.
             drop(permit.take());
+            waiting();
             calls.waiting.fetch_add(1, Ordering::Relaxed);
             calls.note_waiting();
             tokio::time::sleep(retry_in).await;
             calls.waiting.fetch_sub(1, Ordering::Relaxed);
-            permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
+            *permit = Arc::clone(&calls.permits).acquire_owned().await.ok();
             if !calls.can_start(lease, caller.config.handler_timeout) {
                 // Written down as the failure it was, due about now.
                 failed = true;

@@ -128,10 +128,10 @@ impl RelayConfig {
     /// [`run`](crate::Relay::run): the batch in progress and the rests of the batches split
     /// before it share them. A relay run from several tasks has this many in each.
     ///
-    /// Calls for different (subscriber, aggregate) keys run concurrently, each key's calls in
-    /// a task of its own on the runtime the relay runs on (on a multi-threaded runtime, in
-    /// parallel on its worker threads); the calls of one key run one at a time, in commit
-    /// order, whatever the setting. `1` calls every handler in turn. Handlers that wait on I/O
+    /// Calls for different (subscriber, aggregate) keys run concurrently, in tasks of their own
+    /// on the runtime the relay runs on (on a multi-threaded runtime, in parallel on its worker
+    /// threads): a batch has this many, each running one key's calls and then the next key's;
+    /// the calls of one key run one at a time, in commit order, whatever the setting. `1` calls every handler in turn. Handlers that wait on I/O
     /// (a database, a service) gain the most. A handler that blocks its thread holds that
     /// worker (and, on a current-thread runtime, everything else) up: run such work on
     /// `tokio::task::spawn_blocking`.

@@ -7,8 +7,9 @@
 //! - `lease.rs`: the claim of the batch in progress, renewed while its handlers run.
 //! - `plan.rs`: a batch's claims planned (a pure function): what needs no handler is decided,
 //!   the handler calls are queued per (subscriber, aggregate) key.
-//! - `batch.rs`: a plan run, its queues concurrently (each a task of its own) and each in order,
-//!   and its outcomes.
+//! - `batch.rs`: a plan run, its queues concurrently (by runners, tasks as many as the calls
+//!   that may run at once, each taking the next queue as it ends one) and each in order, and
+//!   its outcomes.
 //! - `ahead.rs`: when handlers are slower than the store, the next batch is claimed (and
 //!   planned) while the batch's last calls run.
 //! - `attempt.rs`: one handler call (span, timeout, panic, metrics) and guarded decoding.
