@@ -479,15 +479,23 @@ ORDER BY h.n, f.event_id"#
             )),
             // For each event of the claim ($1: their ids), the subscribers with a delivery of
             // its aggregate that this claim ($2) does not take: they run first, in its
-            // subscriber's queue.
+            // subscriber's queue. Those whose last row of the key this claim does not take (it
+            // takes a key's rows from its head on): one backward probe of `deliveries_head_idx`
+            // per event and subscriber with deliveries (those read once, a step of the primary
+            // key each), however many rows wait in the key. (A join with the aggregate's
+            // deliveries read all of them for each event: 1 000 rows an event, for an
+            // aggregate with 1 000 waiting.)
             blocked_by: sql(format!(
-                "SELECT DISTINCT o.id, d.subscriber
-                 FROM {} STRAIGHT_JOIN {deliveries} AS d FORCE INDEX ({})
-                   ON d.aggregate_id = o.aggregate_id AND d.aggregate_type = o.aggregate_type
-                 WHERE d.claim_id IS NULL OR d.claim_id <> ?
-                 ORDER BY o.id, d.subscriber",
+                "SELECT o.id, s.subscriber
+                 FROM {} STRAIGHT_JOIN (SELECT DISTINCT subscriber FROM {deliveries}) AS s
+                 WHERE coalesce((
+                     SELECT NOT (d.claim_id <=> ?) FROM {deliveries} AS d FORCE INDEX ({})
+                     WHERE d.subscriber = s.subscriber AND d.aggregate_id = o.aggregate_id
+                       AND d.aggregate_type = o.aggregate_type
+                     ORDER BY d.event_id DESC LIMIT 1), 0) = 1
+                 ORDER BY o.id, s.subscriber",
                 events_by_id,
-                index("_deliveries_aggregate_idx")
+                index("_deliveries_head_idx")
             )),
             claim_deliveries: sql(format!(
                 "UPDATE JSON_TABLE(?, '$[*]' COLUMNS (s VARCHAR(255) PATH '$[0]',

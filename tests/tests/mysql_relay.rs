@@ -264,3 +264,80 @@ async fn wait_for_statement(db: &TestMyDb, pattern: &str) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
+
+/// Rows the session on `conn` has read from tables and indexes so far (its `Handler_read_*`
+/// counters: lookups, index steps both ways, and rows of full scans).
+async fn rows_read(conn: &mut sqlx::MySqlConnection) -> i64 {
+    let rows: Vec<(String, String)> = sqlx::query_as(
+        "SHOW SESSION STATUS WHERE Variable_name IN ('Handler_read_first', 'Handler_read_key',
+             'Handler_read_last', 'Handler_read_next', 'Handler_read_prev', 'Handler_read_rnd',
+             'Handler_read_rnd_next')",
+    )
+    .fetch_all(&mut *conn)
+    .await
+    .unwrap();
+    rows.iter().map(|(_, n)| n.parse::<i64>().unwrap()).sum()
+}
+
+/// A claim's cost does not grow with the rows waiting in the keys of the events it claims: 10
+/// aggregates each with 1 000 deliveries waiting behind a dead one for a subscriber that is
+/// down, and 10 new events of each. The claim finds, for each event, that the subscriber holds
+/// an earlier one (its key's last row, one probe) and reads at most 100 rows per event it
+/// claims, where reading each aggregate's waiting rows for each event would be 1 000.
+#[tokio::test]
+async fn a_claim_reads_a_batch_whatever_waits_in_the_keys_of_its_events() {
+    const KEYS: i64 = 10;
+    const WAITING: i64 = 1_000;
+    const NEW: i64 = 10;
+    let (db, _outbox) = setup().await;
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET SESSION max_recursive_iterations = 100000;
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                             published_at)
+         WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEYS} * {WAITING})
+         SELECT 't', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
+         FROM g;
+         INSERT INTO outbox_deliveries
+             (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
+         SELECT o.id, 'down', 't', o.aggregate_id,
+                IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
+                IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
+         FROM outbox AS o
+         JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
+           ON f.aggregate_id = o.aggregate_id;
+         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+         WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEYS} * {NEW})
+         SELECT 't', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+
+    // One connection: the claim runs on it, and its counters are read on it.
+    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
+    let batch = claimer
+        .store()
+        .claim(
+            ClaimLimit::events(1_000),
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
+    let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+    assert_eq!(batch.claims.len() as i64, KEYS * NEW);
+    assert!(
+        batch.claims.iter().all(|claim| matches!(
+            claim,
+            outbox_core::store::Claim::Event { blocked, .. } if blocked == &["down"]
+        )),
+        "every event waits for the subscriber that is down"
+    );
+    assert!(
+        read <= 100 * KEYS * NEW,
+        "a claim of {} events read {read} rows ({KEYS} aggregates with {WAITING} deliveries \
+         waiting each)",
+        KEYS * NEW
+    );
+}
