@@ -1545,7 +1545,8 @@ mod tests {
     /// with deliveries, of the last row of the event's key in `deliveries_head_idx`, never by
     /// reading the deliveries of the event's aggregate (all of a down subscriber's waiting
     /// rows of it, for each event claimed: the cost grew with the rows waiting; PostgreSQL's
-    /// and MySQL's claims measure it). The subscribers are walked one index step each.
+    /// and MySQL's claims measure it). The subscribers are walked one index step each. Planned
+    /// on 10 aggregates with 2 000 deliveries each waiting for a subscriber that is down.
     #[tokio::test]
     async fn the_claim_finds_what_holds_an_event_back_by_one_probe_per_subscriber() {
         let (_file, pool) = <Sqlite as TestBackend>::fresh().await;
@@ -1557,7 +1558,7 @@ mod tests {
             "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
                                  published_at)
-             SELECT 'a', zeroblob(15) || char(n % 10), 'E', '{}', 0, n FROM g;
+             SELECT 'a', CAST(printf('%016d', n % 10) AS BLOB), 'E', '{}', 0, n FROM g;
              INSERT INTO outbox_deliveries (event_id, subscriber, aggregate_type, aggregate_id)
              SELECT id, 'down', aggregate_type, aggregate_id FROM outbox;
              ANALYZE;",
