@@ -1466,6 +1466,29 @@ mod tests {
     use super::*;
     use crate::Outbox;
 
+    /// A migrated database on a fresh file, filled by `fill` (SQL).
+    async fn filled(fill: &'static str) -> (<Sqlite as TestBackend>::Guard, SqlitePool) {
+        let (file, pool) = <Sqlite as TestBackend>::fresh().await;
+        Outbox::<Sqlite, ()>::new(pool.clone())
+            .migrate()
+            .await
+            .unwrap();
+        sqlx::raw_sql(fill).execute(&pool).await.unwrap();
+        (file, pool)
+    }
+
+    /// The steps of SQLite's plan for `statement` (`EXPLAIN QUERY PLAN`'s details).
+    async fn plan(pool: &SqlitePool, statement: &SqlStr) -> Vec<String> {
+        let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
+            "EXPLAIN QUERY PLAN {}",
+            statement.as_str()
+        )))
+        .fetch_all(pool)
+        .await
+        .unwrap();
+        plan.into_iter().map(|(_, _, _, detail)| detail).collect()
+    }
+
     /// The steps of SQLite's plan for `statement` that read a table or an index whole, but for
     /// the partial indexes of unpublished events (`pending_idx` is read in order up to the
     /// batch; `aggregate_idx` holds what the status counts) and for the deliveries when
@@ -1475,15 +1498,9 @@ mod tests {
         statement: &SqlStr,
         deliveries_counted: bool,
     ) -> Vec<String> {
-        let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
-            "EXPLAIN QUERY PLAN {}",
-            statement.as_str()
-        )))
-        .fetch_all(pool)
-        .await
-        .unwrap();
-        plan.into_iter()
-            .map(|(_, _, _, detail)| detail)
+        plan(pool, statement)
+            .await
+            .into_iter()
             .filter(|detail| {
                 let Some(what) = detail.strip_prefix("SCAN ") else {
                     return false;
@@ -1511,12 +1528,7 @@ mod tests {
     /// waiting delivery but through an index probe.
     #[tokio::test]
     async fn the_claim_the_purge_and_the_status_read_by_index() {
-        let (_file, pool) = <Sqlite as TestBackend>::fresh().await;
-        Outbox::<Sqlite, ()>::new(pool.clone())
-            .migrate()
-            .await
-            .unwrap();
-        sqlx::raw_sql(
+        let (_file, pool) = filled(
             "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
                                  published_at)
@@ -1525,9 +1537,7 @@ mod tests {
              SELECT id, 'down', aggregate_type, aggregate_id FROM outbox WHERE id % 2 = 0;
              ANALYZE;",
         )
-        .execute(&pool)
-        .await
-        .unwrap();
+        .await;
         let queries = Sqlite::queries(&TableNames::default());
         for (name, statement, deliveries_counted) in [
             ("candidates", &queries.candidates, false),
@@ -1549,12 +1559,7 @@ mod tests {
     /// on 10 aggregates with 2 000 deliveries each waiting for a subscriber that is down.
     #[tokio::test]
     async fn the_claim_finds_what_holds_an_event_back_by_one_probe_per_subscriber() {
-        let (_file, pool) = <Sqlite as TestBackend>::fresh().await;
-        Outbox::<Sqlite, ()>::new(pool.clone())
-            .migrate()
-            .await
-            .unwrap();
-        sqlx::raw_sql(
+        let (_file, pool) = filled(
             "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
              INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
                                  published_at)
@@ -1563,20 +1568,12 @@ mod tests {
              SELECT id, 'down', aggregate_type, aggregate_id FROM outbox;
              ANALYZE;",
         )
-        .execute(&pool)
-        .await
-        .unwrap();
+        .await;
         let queries = Sqlite::queries(&TableNames::default());
-        let plan: Vec<(i64, i64, i64, String)> = sqlx::query_as(AssertSqlSafe(format!(
-            "EXPLAIN QUERY PLAN {}",
-            queries.claim_events.as_str()
-        )))
-        .fetch_all(&pool)
-        .await
-        .unwrap();
+        let plan = plan(&pool, &queries.claim_events).await;
         let deliveries: Vec<&str> = plan
             .iter()
-            .map(|(_, _, _, detail)| detail.as_str())
+            .map(String::as_str)
             .filter(|detail| detail.contains("outbox_deliveries") || detail.contains(" d "))
             .collect();
         assert!(
@@ -1595,9 +1592,7 @@ mod tests {
             "the aggregate's deliveries are read: {deliveries:?}"
         );
         assert!(
-            !plan
-                .iter()
-                .any(|(_, _, _, detail)| detail.contains("TEMP B-TREE")),
+            !plan.iter().any(|detail| detail.contains("TEMP B-TREE")),
             "rows are sorted, not read in index order: {plan:?}"
         );
     }
