@@ -341,3 +341,250 @@ async fn a_claim_reads_a_batch_whatever_waits_in_the_keys_of_its_events() {
         KEYS * NEW
     );
 }
+
+/// Runs `sql` (several statements) with recursive sets of up to a million rows allowed.
+async fn fill(db: &TestMyDb, sql: &str) {
+    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
+        "SET SESSION max_recursive_iterations = 1000000; {sql}
+         ANALYZE TABLE outbox; ANALYZE TABLE outbox_deliveries;"
+    )))
+    .execute(&db.pool)
+    .await
+    .unwrap();
+}
+
+/// A subscriber that is down does not slow the others' claims, however much waits for it:
+/// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), and 10 000 events are
+/// dead. A claim of a batch of new events and a batch of due deliveries of a healthy
+/// subscriber reads at most 20 rows per row it claims, of every table.
+#[tokio::test]
+async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
+    const BATCH: i64 = 100;
+    const KEYS: i64 = 1_000;
+    const WAITING: i64 = 100 * KEYS;
+    const DEAD: i64 = 10_000;
+    let (db, _outbox) = setup().await;
+    fill(
+        &db,
+        &format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {WAITING})
+             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
+             FROM g;
+             -- Per key, the first delivery is dead; the rest wait behind it.
+             INSERT INTO outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
+             SELECT o.id, 'down', 'a', o.aggregate_id,
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
+             FROM outbox AS o
+             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
+               ON f.aggregate_id = o.aggregate_id;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 dead_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
+             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6)
+             FROM g;
+             -- A batch of due deliveries of a healthy subscriber, and a batch of new events.
+             INSERT INTO outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+             SELECT id, 'up', 'a', aggregate_id, UTC_TIMESTAMP(6)
+             FROM outbox WHERE published_at IS NOT NULL ORDER BY id DESC LIMIT {BATCH};
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {BATCH})
+             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
+        ),
+    )
+    .await;
+
+    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
+    let batch = claimer
+        .store()
+        .claim(
+            ClaimLimit::events(BATCH as u32),
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
+    let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+    assert_eq!(
+        batch.claims.len() as i64,
+        2 * BATCH,
+        "the claim took both batches"
+    );
+    assert!(
+        read <= 20 * 2 * BATCH,
+        "a claim of {BATCH} + {BATCH} read {read} rows ({WAITING} deliveries waiting for a \
+         subscriber that is down, {DEAD} dead events)"
+    );
+}
+
+/// Retention reads what it acts on, not the retained table: with 100 000 events published
+/// recently (kept), 100 000 old ones that a blocked subscriber's waiting deliveries still hold
+/// (kept), 10 000 dead events and 1 000 old events free to go, each purge reads at most a few
+/// rows per row of its batch, the purges go through the held events once and delete exactly
+/// the free ones.
+#[tokio::test]
+async fn a_purge_reads_what_it_acts_on_not_the_retained_table() {
+    const BATCH: u32 = 500;
+    const YOUNG: i64 = 100_000;
+    const HELD: i64 = 100_000;
+    const KEYS: i64 = 1_000;
+    const DEAD: i64 = 10_000;
+    const FREE: i64 = 1_000;
+    const PENDING: i64 = 100;
+    let (db, _outbox) = setup().await;
+    fill(
+        &db,
+        &format!(
+            "-- Old events, held and free interleaved, then young ones, dead ones, pending ones.
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             WITH RECURSIVE g (n) AS (
+                 SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {HELD} + {FREE})
+             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6) - INTERVAL 2 DAY + INTERVAL n * 1000 MICROSECOND
+             FROM g;
+             INSERT INTO outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
+             SELECT o.id, 'down', 'a', o.aggregate_id,
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
+             FROM outbox AS o
+             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox
+                   WHERE id % ({HELD} / {FREE} + 1) <> 0 GROUP BY aggregate_id) AS f
+               ON f.aggregate_id = o.aggregate_id
+             WHERE o.id % ({HELD} / {FREE} + 1) <> 0;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {YOUNG})
+             SELECT 'a', UNHEX(MD5(CONCAT('young', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6)
+             FROM g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 dead_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
+             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6)
+             FROM g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PENDING})
+             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
+        ),
+    )
+    .await;
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, HELD, "the set-up holds {HELD} old events");
+
+    let purger: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let store = purger.store();
+    let (mut deleted, mut calls) = (0, 0);
+    loop {
+        let before = rows_read(&mut purger.pool().acquire().await.unwrap()).await;
+        let purged = store
+            .purge_published(Duration::from_secs(86_400), BATCH)
+            .await
+            .unwrap();
+        let read = rows_read(&mut purger.pool().acquire().await.unwrap()).await - before;
+        calls += 1;
+        assert!(
+            read <= 6 * i64::from(BATCH),
+            "purge {calls} read {read} rows for a batch of {BATCH}"
+        );
+        deleted += purged.deleted;
+        if !purged.more {
+            break;
+        }
+    }
+    assert_eq!(deleted, FREE as u64, "exactly the free old events went");
+    assert!(
+        calls <= (HELD + FREE) / i64::from(BATCH) + 2,
+        "{calls} purges went through {} old events",
+        HELD + FREE
+    );
+    let left: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(left, HELD + YOUNG + DEAD + PENDING, "the rest is kept");
+}
+
+/// The status counts what is not done without reading what is: with 100 000 events published
+/// (and kept), 10 000 dead, 1 000 deliveries waiting behind 10 dead ones and 100 pending
+/// events, it reads at most 15 rows per row it counts (what no live relay routes included:
+/// about 10 in all), where one read of the published events alone is 100 000.
+#[tokio::test]
+async fn the_status_reads_none_of_the_published_events() {
+    const PUBLISHED: i64 = 100_000;
+    const DEAD: i64 = 10_000;
+    const KEYS: i64 = 10;
+    const WAITING: i64 = 1_000;
+    const PENDING: i64 = 100;
+    let (db, _outbox) = setup().await;
+    fill(
+        &db,
+        &format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PUBLISHED})
+             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
+             FROM g;
+             INSERT INTO outbox_deliveries
+                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
+             SELECT o.id, 'down', 'a', o.aggregate_id,
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
+                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
+             FROM outbox AS o
+             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
+               ON f.aggregate_id = o.aggregate_id
+             WHERE o.id <= {WAITING};
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 dead_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
+             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6)
+             FROM g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PENDING})
+             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
+        ),
+    )
+    .await;
+
+    // A live relay that routes `E` to `down`: the status then also counts what no relay routes.
+    let outbox: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    outbox
+        .store()
+        .register(
+            Uuid::new_v4(),
+            r#"{"events": [{"type": "E", "subscribers": ["down"]}],
+                "subscribers": [{"name": "down"}], "protocol": 1}"#,
+            Duration::from_secs(60),
+        )
+        .await
+        .unwrap();
+    let before = rows_read(&mut outbox.pool().acquire().await.unwrap()).await;
+    let status = outbox.store().status().await.unwrap();
+    let read = rows_read(&mut outbox.pool().acquire().await.unwrap()).await - before;
+    assert_eq!(status.pending_events, PENDING as u64);
+    assert_eq!(status.pending_deliveries, (WAITING - KEYS) as u64);
+    assert_eq!(status.dead_letters, (DEAD + KEYS) as u64);
+    assert_eq!(status.behind_dead_letters, (WAITING - KEYS) as u64);
+    assert_eq!(status.live_relays, 1);
+    assert_eq!(
+        (status.unroutable_events, status.unroutable_deliveries),
+        (0, 0)
+    );
+    let counted = DEAD + PENDING + WAITING;
+    assert!(
+        read <= 15 * counted,
+        "the status read {read} rows to count {counted} ({PUBLISHED} events published)"
+    );
+}
