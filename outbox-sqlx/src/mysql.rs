@@ -262,6 +262,13 @@ impl Backend for MySql {
         let aggregate_locks = names.backticked("_aggregate_locks");
         let dialect = Dialect {
             outbox: &outbox,
+            // The index that holds the unpublished events first, in id order: with a tenth
+            // of the table unpublished, the optimizer read it whole by its primary key for a
+            // page of a state, and for each count of the overview.
+            unpublished: format!(
+                "{outbox} AS o FORCE INDEX ({})",
+                names.backticked("_published_idx")
+            ),
             deliveries: &deliveries,
             skips: &skips,
             claimed_event: format!(
@@ -633,7 +640,7 @@ ORDER BY h.n, f.event_id"#
                 "SELECT count(*) FROM {outbox}
                  WHERE published_at > UTC_TIMESTAMP(6) - INTERVAL ? MICROSECOND"
             )),
-            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
+            dead_letter_groups: sql(dead_letter_groups_query(&dialect, first_line)),
             // Each count reads what it counts, by index: unpublished events are pending
             // (`pending_idx`) or set aside, parked or dead (`stalled_idx`, read once for all
             // its counts), however many published ones the table keeps. The indexes are

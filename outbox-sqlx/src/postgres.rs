@@ -526,6 +526,7 @@ impl Backend for Postgres {
         let unroutable_floor = from_floor(&released, 3, 4);
         let dialect = Dialect {
             outbox: &outbox,
+            unpublished: format!("{outbox} AS o"),
             deliveries: &deliveries,
             skips: &skips,
             // (Less what records of parts took out of the claims: `claim_parts`.)
@@ -1439,7 +1440,7 @@ SELECT (SELECT count(*) FROM deleted),
             published_within: sql(format!(
                 "SELECT count(*) FROM {outbox} WHERE published_at > now() - $1 * interval '1 second'"
             )),
-            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
+            dead_letter_groups: sql(dead_letter_groups_query(&dialect, first_line)),
             status: sql(format!(
                 r#"
 -- Each count reads its own partial index (the conditions are those of the indexes): the

@@ -191,6 +191,7 @@ impl Backend for Sqlite {
         let requeues = names.local("_requeues");
         let dialect = Dialect {
             outbox: &outbox,
+            unpublished: format!("{outbox} AS o"),
             deliveries: &deliveries,
             skips: &skips,
             claimed_event: "o.claim_id IS NOT NULL".to_owned(),
@@ -534,7 +535,7 @@ WHERE id IN (SELECT value FROM json_each($1))"#
             published_within: sql(format!(
                 "SELECT count(*) FROM {outbox} WHERE published_at > $1"
             )),
-            dead_letter_groups: sql(dead_letter_groups_query(&outbox, &deliveries, first_line)),
+            dead_letter_groups: sql(dead_letter_groups_query(&dialect, first_line)),
             status: sql(format!(
                 r#"
 SELECT (SELECT count(*) FROM {outbox} WHERE published_at IS NULL AND dead_at IS NULL),
@@ -1515,17 +1516,26 @@ mod tests {
                     // names.
                     ["o", "e", "d", "f", "outbox", "outbox_deliveries"].contains(&table)
                 } else {
-                    !index.ends_with("INDEX outbox_pending_idx")
-                        && !index.ends_with("INDEX outbox_aggregate_idx")
+                    // (The other partial indexes hold events set aside, or claimed.)
+                    ![
+                        "outbox_pending_idx",
+                        "outbox_aggregate_idx",
+                        "outbox_held_by_idx",
+                        "outbox_held_behind_idx",
+                        "outbox_claim_idx",
+                    ]
+                    .iter()
+                    .any(|partial| index.ends_with(&format!("INDEX {partial}")))
                 }
             })
             .collect()
     }
 
-    /// What a relay runs often (its claim, its purge, its status) reads the outbox and the
-    /// deliveries through indexes, on a table that keeps many published events and a
-    /// subscriber's waiting deliveries: no plan reads the retained events, and the claim no
-    /// waiting delivery but through an index probe.
+    /// What a relay runs often (its claim, its purge, its status) and what an operator's
+    /// console reads every few seconds (the overview, a page of each state, the dead letters'
+    /// groups) read the outbox and the deliveries through indexes, on a table that keeps many
+    /// published events and a subscriber's waiting deliveries: no plan reads the retained
+    /// events, and the claim no waiting delivery but through an index probe.
     #[tokio::test]
     async fn the_claim_the_purge_and_the_status_read_by_index() {
         let (_file, pool) = filled(
@@ -1545,7 +1555,16 @@ mod tests {
             ("purge_examined", &queries.purge_examined, false),
             ("status", &queries.status, true),
             ("unroutable", &queries.unroutable, true),
-        ] {
+            ("overview", &queries.overview, true),
+            ("dead_letter_groups", &queries.dead_letter_groups, true),
+        ]
+        .into_iter()
+        .chain(
+            queries
+                .list
+                .iter()
+                .map(|page| ("a page of a state", page, true)),
+        ) {
             let scans = full_scans(&pool, statement, deliveries_counted).await;
             assert!(scans.is_empty(), "{name} reads a table whole: {scans:?}");
         }

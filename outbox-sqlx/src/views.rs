@@ -272,6 +272,9 @@ pub struct DeadLetterGroup {
 /// What differs between the backends' SQL for these views.
 pub(crate) struct Dialect<'a> {
     pub(crate) outbox: &'a str,
+    /// The outbox as `o`, in statements that read its unpublished events
+    /// (`o.published_at IS NULL`): where the dialect needs to, with the index to read them by.
+    pub(crate) unpublished: String,
     pub(crate) deliveries: &'a str,
     pub(crate) skips: &'a str,
     /// True for an event `o` that a claim holds.
@@ -292,6 +295,7 @@ fn state_rows(d: &Dialect<'_>, state: ListState) -> String {
     use ListState as S;
     let Dialect {
         outbox,
+        unpublished,
         deliveries,
         skips,
         claimed_event,
@@ -303,7 +307,7 @@ fn state_rows(d: &Dialect<'_>, state: ListState) -> String {
             "SELECT o.id AS event_id, NULL AS subscriber, o.event_type, o.aggregate_type,
                     o.aggregate_id, o.retry_count AS attempts, o.last_error, NULL AS reason,
                     {payload} AS payload
-             FROM {outbox} AS o WHERE o.published_at IS NULL AND {condition}"
+             FROM {unpublished} WHERE o.published_at IS NULL AND {condition}"
         )
     };
     let delivery = |condition: &str| {
@@ -374,7 +378,10 @@ pub(crate) fn list_query(d: &Dialect<'_>, state: ListState) -> String {
 /// [`HoldCause`] in the order of [`HoldCause::ALL`].
 pub(crate) fn overview_query(d: &Dialect<'_>) -> String {
     let Dialect {
-        outbox, deliveries, ..
+        outbox,
+        unpublished,
+        deliveries,
+        ..
     } = d;
     let counts = ListState::ALL
         .map(|state| format!("(SELECT count(*) FROM ({}) AS x)", state_rows(d, state)))
@@ -384,10 +391,10 @@ pub(crate) fn overview_query(d: &Dialect<'_>) -> String {
     let events_behind = |holder: &str| {
         format!(
             "(SELECT count(*) FROM (SELECT DISTINCT o.aggregate_type, o.aggregate_id
-                                    FROM {outbox} AS o
+                                    FROM {unpublished}
                                     WHERE o.published_at IS NULL AND {holder}) AS k),
              (SELECT count(*) FROM {outbox} AS h JOIN {outbox} AS o ON o.id = h.held_behind
-              WHERE {holder})"
+              WHERE h.held_behind IS NOT NULL AND {holder})"
         )
     };
     // The (subscriber, aggregate) keys whose first delivery is in a state, and the rows of
@@ -684,17 +691,21 @@ where
 /// Dead letters grouped by subscriber and the first line of their last error, largest groups
 /// first; `first_line` is the dialect's expression for the first line of a text column.
 pub(crate) fn dead_letter_groups_query(
-    outbox: &str,
-    deliveries: &str,
+    d: &Dialect<'_>,
     first_line: impl Fn(&str) -> String,
 ) -> String {
+    let Dialect {
+        unpublished,
+        deliveries,
+        ..
+    } = d;
     let line = first_line("x.last_error");
     format!(
         r#"
 SELECT x.subscriber, {line} AS first_line, count(*) AS dead,
        min(x.event_id) AS first_event_id, max(x.event_id) AS last_event_id
 FROM (
-    SELECT NULL AS subscriber, o.last_error, o.id AS event_id FROM {outbox} AS o
+    SELECT NULL AS subscriber, o.last_error, o.id AS event_id FROM {unpublished}
     WHERE o.published_at IS NULL AND o.dead_at IS NOT NULL
     UNION ALL
     SELECT d.subscriber, d.last_error, d.event_id FROM {deliveries} AS d

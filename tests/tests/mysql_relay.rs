@@ -588,3 +588,109 @@ async fn the_status_reads_none_of_the_published_events() {
         "the status read {read} rows to count {counted} ({PUBLISHED} events published)"
     );
 }
+
+/// Each read an operator's console makes every few seconds (the count of the last minute's
+/// publications, the overview, a page of each state, the dead letters' groups, the
+/// subscribers), with the rows of every table it read.
+async fn console_reads(console: &TestOutbox) -> Vec<(String, i64)> {
+    let mut read = Vec::new();
+    let mut at = rows_read(&mut console.pool().acquire().await.unwrap()).await;
+    let mut since = async |what: String| {
+        let now = rows_read(&mut console.pool().acquire().await.unwrap()).await;
+        read.push((what, now - at));
+        at = now;
+    };
+    console
+        .published_within(Duration::from_secs(60))
+        .await
+        .unwrap();
+    since("published_within".to_owned()).await;
+    console.overview().await.unwrap();
+    since("overview".to_owned()).await;
+    for state in outbox_sqlx::ListState::ALL {
+        console
+            .list(&outbox_sqlx::ListQuery::new(state).limit(5))
+            .await
+            .unwrap();
+        since(format!("list {state:?}")).await;
+    }
+    console.dead_letter_groups().await.unwrap();
+    since("dead_letter_groups".to_owned()).await;
+    console.subscribers().await.unwrap();
+    since("subscribers".to_owned()).await;
+    read
+}
+
+/// What an operator's console reads reads what it is about, not the retained table: with
+/// 200 000 published events kept, 10 pending and 3 dead, each read reads at most 300 rows;
+/// with 10 000 more dead (the optimizer's choices change when a twentieth of the table is
+/// unpublished), at most 12 rows per unpublished event, where one read of the published
+/// events alone is 200 000 (and reading the table by its primary key for a page of pending
+/// events, as the lists did, 210 000).
+#[tokio::test]
+async fn console_reads_read_what_they_are_about() {
+    const KEPT: i64 = 200_000;
+    const DEAD: i64 = 10_000;
+    let (db, _outbox) = setup().await;
+    let dead = |from: i64, to: i64| {
+        format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 dead_at, last_error)
+             WITH RECURSIVE g (n) AS (SELECT {from} UNION ALL SELECT n + 1 FROM g WHERE n < {to})
+             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6), 'undecodable'
+             FROM g;"
+        )
+    };
+    fill(
+        &db,
+        &format!(
+            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEPT})
+             SELECT 'a', UNHEX(MD5(n)), 'E', '{{}}', UTC_TIMESTAMP(6),
+                    UTC_TIMESTAMP(6) - INTERVAL 1 DAY
+             FROM g;
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
+             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 10)
+             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;
+             {}",
+            dead(1, 3)
+        ),
+    )
+    .await;
+    let console: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let read = console_reads(&console).await;
+    assert!(
+        read.iter().all(|(_, rows)| *rows <= 300),
+        "rows ({KEPT} published events kept, 13 unpublished) each read: {read:?}"
+    );
+    // And what they read is right.
+    let overview = console.overview().await.unwrap();
+    let counts = [
+        outbox_sqlx::ListState::Pending,
+        outbox_sqlx::ListState::Dead,
+    ]
+    .map(|s| overview.count(s));
+    assert_eq!(counts, [10, 3], "pending, dead");
+    let groups = console.dead_letter_groups().await.unwrap();
+    assert_eq!(groups.iter().map(|g| g.dead).sum::<u64>(), 3);
+
+    fill(&db, &dead(4, 3 + DEAD)).await;
+    let unpublished = 13 + DEAD;
+    let read = console_reads(&console).await;
+    assert!(
+        read.iter().all(|(_, rows)| *rows <= 12 * unpublished),
+        "rows ({KEPT} published events kept, {unpublished} unpublished) each read: {read:?}"
+    );
+    let overview = console.overview().await.unwrap();
+    assert_eq!(
+        overview.count(outbox_sqlx::ListState::Dead),
+        3 + DEAD as u64
+    );
+    let page = console
+        .list(&outbox_sqlx::ListQuery::new(outbox_sqlx::ListState::Pending).limit(5))
+        .await
+        .unwrap();
+    assert_eq!(page.len(), 5, "a page of pending events");
+}
