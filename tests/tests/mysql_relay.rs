@@ -342,7 +342,8 @@ async fn a_claim_reads_a_batch_whatever_waits_in_the_keys_of_its_events() {
     );
 }
 
-/// Runs `sql` (several statements) with recursive sets of up to a million rows allowed.
+/// Runs `sql` (several statements) with recursive sets of up to a million rows allowed, then
+/// analyzes the tables.
 async fn fill(db: &TestMyDb, sql: &str) {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
         "SET SESSION max_recursive_iterations = 1000000; {sql}
@@ -351,6 +352,41 @@ async fn fill(db: &TestMyDb, sql: &str) {
     .execute(&db.pool)
     .await
     .unwrap();
+}
+
+/// The server's time, in the SQL of a set-up.
+const NOW: &str = "UTC_TIMESTAMP(6)";
+
+/// SQL that inserts an event for each `n` of `ns`, of aggregate `UNHEX(MD5(<aggregate>))`
+/// (`aggregate`: an expression of `n`), type `E`, with each column of `set` given its value.
+fn events(ns: std::ops::RangeInclusive<i64>, aggregate: &str, set: &[(&str, &str)]) -> String {
+    let (from, to) = ns.into_inner();
+    let columns: String = set
+        .iter()
+        .map(|(column, _)| format!(", {column}"))
+        .collect();
+    let values: String = set.iter().map(|(_, value)| format!(", {value}")).collect();
+    format!(
+        "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at{columns})
+         WITH RECURSIVE g (n) AS (SELECT {from} UNION ALL SELECT n + 1 FROM g WHERE n < {to})
+         SELECT 'a', UNHEX(MD5({aggregate})), 'E', '{{}}', {NOW}{values} FROM g;"
+    )
+}
+
+/// SQL that gives subscriber `down` a delivery row of each event `o` that `which` holds true
+/// of: in each key, the first is dead and the others wait behind it.
+fn waiting_behind_dead_heads(which: &str) -> String {
+    format!(
+        "INSERT INTO outbox_deliveries
+             (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
+         SELECT o.id, 'down', 'a', o.aggregate_id,
+                IF(f.first = o.id, {NOW}, NULL), IF(f.first = o.id, {NOW}, NULL)
+         FROM outbox AS o
+         JOIN (SELECT aggregate_id, min(id) AS first FROM outbox AS o WHERE {which}
+               GROUP BY aggregate_id) AS f
+           ON f.aggregate_id = o.aggregate_id
+         WHERE {which};"
+    )
 }
 
 /// A subscriber that is down does not slow the others' claims, however much waits for it:
@@ -366,36 +402,24 @@ async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
     let (db, _outbox) = setup().await;
     fill(
         &db,
-        &format!(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {WAITING})
-             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
-             FROM g;
-             -- Per key, the first delivery is dead; the rest wait behind it.
-             INSERT INTO outbox_deliveries
-                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
-             SELECT o.id, 'down', 'a', o.aggregate_id,
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
-             FROM outbox AS o
-             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
-               ON f.aggregate_id = o.aggregate_id;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 dead_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
-             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6)
-             FROM g;
-             -- A batch of due deliveries of a healthy subscriber, and a batch of new events.
-             INSERT INTO outbox_deliveries
-                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
-             SELECT id, 'up', 'a', aggregate_id, UTC_TIMESTAMP(6)
-             FROM outbox WHERE published_at IS NOT NULL ORDER BY id DESC LIMIT {BATCH};
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {BATCH})
-             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
-        ),
+        &[
+            events(
+                1..=WAITING,
+                &format!("n % {KEYS}"),
+                &[("published_at", NOW)],
+            ),
+            waiting_behind_dead_heads("TRUE"),
+            events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
+            // A batch of due deliveries of a healthy subscriber, and a batch of new events.
+            format!(
+                "INSERT INTO outbox_deliveries
+                     (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+                 SELECT id, 'up', 'a', aggregate_id, {NOW}
+                 FROM outbox WHERE published_at IS NOT NULL ORDER BY id DESC LIMIT {BATCH};"
+            ),
+            events(1..=BATCH, "CONCAT('new', n)", &[]),
+        ]
+        .concat(),
     )
     .await;
 
@@ -438,43 +462,22 @@ async fn a_purge_reads_what_it_acts_on_not_the_retained_table() {
     const FREE: i64 = 1_000;
     const PENDING: i64 = 100;
     let (db, _outbox) = setup().await;
+    // Old events, held and free interleaved, then young ones, dead ones, pending ones.
+    let old = format!("{NOW} - INTERVAL 2 DAY + INTERVAL n * 1000 MICROSECOND");
     fill(
         &db,
-        &format!(
-            "-- Old events, held and free interleaved, then young ones, dead ones, pending ones.
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             WITH RECURSIVE g (n) AS (
-                 SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {HELD} + {FREE})
-             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6) - INTERVAL 2 DAY + INTERVAL n * 1000 MICROSECOND
-             FROM g;
-             INSERT INTO outbox_deliveries
-                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
-             SELECT o.id, 'down', 'a', o.aggregate_id,
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
-             FROM outbox AS o
-             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox
-                   WHERE id % ({HELD} / {FREE} + 1) <> 0 GROUP BY aggregate_id) AS f
-               ON f.aggregate_id = o.aggregate_id
-             WHERE o.id % ({HELD} / {FREE} + 1) <> 0;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {YOUNG})
-             SELECT 'a', UNHEX(MD5(CONCAT('young', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6)
-             FROM g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 dead_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
-             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6)
-             FROM g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PENDING})
-             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
-        ),
+        &[
+            events(
+                1..=HELD + FREE,
+                &format!("n % {KEYS}"),
+                &[("published_at", &old)],
+            ),
+            waiting_behind_dead_heads(&format!("o.id % ({HELD} / {FREE} + 1) <> 0")),
+            events(1..=YOUNG, "CONCAT('young', n)", &[("published_at", NOW)]),
+            events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
+            events(1..=PENDING, "CONCAT('new', n)", &[]),
+        ]
+        .concat(),
     )
     .await;
     let held: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox_deliveries")
@@ -530,31 +533,17 @@ async fn the_status_reads_none_of_the_published_events() {
     let (db, _outbox) = setup().await;
     fill(
         &db,
-        &format!(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PUBLISHED})
-             SELECT 'a', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
-             FROM g;
-             INSERT INTO outbox_deliveries
-                 (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
-             SELECT o.id, 'down', 'a', o.aggregate_id,
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
-                    IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
-             FROM outbox AS o
-             JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
-               ON f.aggregate_id = o.aggregate_id
-             WHERE o.id <= {WAITING};
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 dead_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {DEAD})
-             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6)
-             FROM g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {PENDING})
-             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
-        ),
+        &[
+            events(
+                1..=PUBLISHED,
+                &format!("n % {KEYS}"),
+                &[("published_at", NOW)],
+            ),
+            waiting_behind_dead_heads(&format!("o.id <= {WAITING}")),
+            events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
+            events(1..=PENDING, "CONCAT('new', n)", &[]),
+        ]
+        .concat(),
     )
     .await;
 
@@ -632,31 +621,22 @@ async fn console_reads_read_what_they_are_about() {
     const KEPT: i64 = 200_000;
     const DEAD: i64 = 10_000;
     let (db, _outbox) = setup().await;
-    let dead = |from: i64, to: i64| {
-        format!(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 dead_at, last_error)
-             WITH RECURSIVE g (n) AS (SELECT {from} UNION ALL SELECT n + 1 FROM g WHERE n < {to})
-             SELECT 'a', UNHEX(MD5(CONCAT('dead', n))), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6), 'undecodable'
-             FROM g;"
+    let dead = |ns| {
+        events(
+            ns,
+            "CONCAT('dead', n)",
+            &[("dead_at", NOW), ("last_error", "'undecodable'")],
         )
     };
+    let yesterday = format!("{NOW} - INTERVAL 1 DAY");
     fill(
         &db,
-        &format!(
-            "INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEPT})
-             SELECT 'a', UNHEX(MD5(n)), 'E', '{{}}', UTC_TIMESTAMP(6),
-                    UTC_TIMESTAMP(6) - INTERVAL 1 DAY
-             FROM g;
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-             WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 10)
-             SELECT 'a', UNHEX(MD5(CONCAT('new', n))), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;
-             {}",
-            dead(1, 3)
-        ),
+        &[
+            events(1..=KEPT, "n", &[("published_at", &yesterday)]),
+            events(1..=10, "CONCAT('new', n)", &[]),
+            dead(1..=3),
+        ]
+        .concat(),
     )
     .await;
     let console: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
@@ -676,7 +656,7 @@ async fn console_reads_read_what_they_are_about() {
     let groups = console.dead_letter_groups().await.unwrap();
     assert_eq!(groups.iter().map(|g| g.dead).sum::<u64>(), 3);
 
-    fill(&db, &dead(4, 3 + DEAD)).await;
+    fill(&db, &dead(4..=3 + DEAD)).await;
     let unpublished = 13 + DEAD;
     let read = console_reads(&console).await;
     assert!(
