@@ -447,6 +447,160 @@ async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
     );
 }
 
+/// Events held back cost a claim a bounded amount of work, however many: an aggregate with a
+/// dead event and 5 000 events already set aside behind it, 500 more arriving behind those, and
+/// 20 000 deliveries waiting for a subscriber that is down. Each claim of 100 reads at most 20
+/// rows per event of its batch (of every table), sets a batch of the new arrivals aside, and
+/// once they are all aside, claims the other aggregates' events.
+#[tokio::test]
+async fn a_claim_reads_a_batch_whatever_is_held_back() {
+    const BATCH: i64 = 100;
+    const HELD: i64 = 50 * BATCH;
+    const ARRIVING: i64 = 5 * BATCH;
+    const WAITING: i64 = 200 * BATCH;
+    let (db, _outbox) = setup().await;
+    let stuck = "'stuck'";
+    fill(
+        &db,
+        &[
+            events(
+                1..=WAITING,
+                "CONCAT('published', n)",
+                &[("published_at", NOW)],
+            ),
+            events(1..=1, stuck, &[("dead_at", NOW)]),
+            events(
+                1..=HELD,
+                stuck,
+                &[(
+                    "held_behind",
+                    "(SELECT id FROM outbox AS d WHERE d.dead_at IS NOT NULL)",
+                )],
+            ),
+            events(1..=ARRIVING, stuck, &[]),
+            events(1..=BATCH, "CONCAT('other', n)", &[]),
+            format!(
+                "INSERT INTO outbox_deliveries
+                     (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+                 SELECT id, 'down', 'a', aggregate_id, {NOW} + INTERVAL 1 HOUR
+                 FROM outbox WHERE published_at IS NOT NULL;"
+            ),
+        ]
+        .concat(),
+    )
+    .await;
+
+    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    for round in 0..=ARRIVING / BATCH {
+        let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
+        let batch = claimer
+            .store()
+            .claim(
+                ClaimLimit::events(BATCH as u32),
+                Duration::from_secs(60),
+                &ClaimFilter::default(),
+            )
+            .await
+            .unwrap();
+        let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+        assert!(
+            read <= 20 * BATCH,
+            "claim {round} read {read} rows ({HELD} events held back, {WAITING} deliveries \
+             waiting)"
+        );
+        let expected = if round < ARRIVING / BATCH { 0 } else { BATCH };
+        assert_eq!(batch.claims.len() as i64, expected, "claim {round}");
+    }
+    let held: i64 = sqlx::query_scalar("SELECT count(*) FROM outbox WHERE held_behind IS NOT NULL")
+        .fetch_one(&db.pool)
+        .await
+        .unwrap();
+    assert_eq!(held, HELD + ARRIVING);
+}
+
+/// Recording a batch of deliveries reads about the rows it records, however many wait behind
+/// them: 50 keys with 200 deliveries waiting behind each due head. The record deletes what was
+/// delivered and makes each key's next row due, by probes, reading at most 10 rows (of every
+/// table) per row it records, where reading the waiting rows would be 10 000.
+#[tokio::test]
+async fn a_record_reads_about_the_rows_it_records_whatever_waits_behind_them() {
+    const KEYS: i64 = 50;
+    const WAITING: i64 = 200;
+    let (db, _outbox) = setup().await;
+    fill(
+        &db,
+        &[
+            events(
+                1..=KEYS * (WAITING + 1),
+                &format!("n % {KEYS}"),
+                &[("published_at", NOW)],
+            ),
+            format!(
+                "INSERT INTO outbox_deliveries
+                     (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
+                 SELECT o.id, 'x', 'a', o.aggregate_id, IF(f.first = o.id, {NOW}, NULL)
+                 FROM outbox AS o
+                 JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id)
+                   AS f ON f.aggregate_id = o.aggregate_id;"
+            ),
+        ]
+        .concat(),
+    )
+    .await;
+
+    let relay: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let store = relay.store();
+    let batch = store
+        .claim(
+            ClaimLimit::events(100),
+            Duration::from_secs(30),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
+    let mut outcomes = Outcomes::default();
+    for claim in &batch.claims {
+        let outbox_core::store::Claim::Delivery {
+            event, subscriber, ..
+        } = claim
+        else {
+            panic!("only deliveries wait: {claim:?}");
+        };
+        outcomes
+            .deliveries
+            .push(outbox_core::store::DeliveryRecord {
+                event_id: event.id,
+                aggregate_type: event.aggregate_type.clone(),
+                aggregate_id: event.aggregate_id,
+                subscriber: subscriber.clone(),
+                outcome: outbox_core::store::DeliveryOutcome::Delivered,
+            });
+    }
+    let recorded = outcomes.deliveries.len() as i64;
+    assert!(
+        recorded >= KEYS,
+        "the claim took every key's head: {recorded}"
+    );
+
+    let before = rows_read(&mut relay.pool().acquire().await.unwrap()).await;
+    let applied = store.record(batch.token, &outcomes).await.unwrap();
+    let read = rows_read(&mut relay.pool().acquire().await.unwrap()).await - before;
+    assert_eq!(applied, Recorded::Applied);
+    assert!(
+        read <= 10 * recorded,
+        "recording {recorded} deliveries read {read} rows ({} wait)",
+        KEYS * WAITING
+    );
+    // Each key's next row is due now.
+    let due: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM outbox_deliveries WHERE next_retry_at IS NOT NULL",
+    )
+    .fetch_one(&db.pool)
+    .await
+    .unwrap();
+    assert_eq!(due, KEYS);
+}
+
 /// Retention reads what it acts on, not the retained table: with 100 000 events published
 /// recently (kept), 100 000 old ones that a blocked subscriber's waiting deliveries still hold
 /// (kept), 10 000 dead events and 1 000 old events free to go, each purge reads at most a few
