@@ -390,8 +390,8 @@ fn waiting_behind_dead_heads(which: &str) -> String {
 }
 
 /// A subscriber that is down does not slow the others' claims, however much waits for it:
-/// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), and 10 000 events are
-/// dead. A claim of a batch of new events and a batch of due deliveries of a healthy
+/// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), 10 000 events are
+/// dead and 10 000 parked for an hour. A claim of a batch of new events and a batch of due deliveries of a healthy
 /// subscriber reads at most 20 rows per row it claims, of every table.
 #[tokio::test]
 async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
@@ -399,6 +399,7 @@ async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
     const KEYS: i64 = 1_000;
     const WAITING: i64 = 100 * KEYS;
     const DEAD: i64 = 10_000;
+    const PARKED: i64 = 10_000;
     let (db, _outbox) = setup().await;
     fill(
         &db,
@@ -410,6 +411,11 @@ async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
             ),
             waiting_behind_dead_heads("TRUE"),
             events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
+            events(
+                1..=PARKED,
+                "CONCAT('parked', n)",
+                &[("next_retry_at", &format!("{NOW} + INTERVAL 1 HOUR"))],
+            ),
             // A batch of due deliveries of a healthy subscriber, and a batch of new events.
             format!(
                 "INSERT INTO outbox_deliveries
