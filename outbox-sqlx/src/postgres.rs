@@ -3999,16 +3999,17 @@ mod tests {
     }
 
     /// A subscriber that is down does not slow the others' claims, however much waits for it:
-    /// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), and 10 000 events
-    /// are dead. A claim for a batch of pending events and a batch of due deliveries of a
-    /// healthy subscriber reads at most 10 rows per row it claims, of the outbox and of the
-    /// deliveries.
+    /// 100 000 deliveries wait behind its dead head deliveries (1 000 keys), 10 000 events are
+    /// dead and 10 000 parked for an hour. A claim for a batch of pending events and a batch of
+    /// due deliveries of a healthy subscriber reads at most 10 rows per row it claims, of the
+    /// outbox and of the deliveries.
     #[tokio::test]
     async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
         const BATCH: i64 = 100;
         const KEYS: i64 = 1_000;
         const WAITING: i64 = 100 * KEYS;
         const DEAD: i64 = 10_000;
+        const PARKED: i64 = 10_000;
         let db = migrated().await;
         sqlx::raw_sql(AssertSqlSafe(format!(
             "INSERT INTO events.outbox
@@ -4026,6 +4027,10 @@ mod tests {
                    FROM events.outbox) AS o;
              INSERT INTO events.outbox (aggregate_type, aggregate_id, event_type, payload, dead_at)
              SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() FROM generate_series(1, {DEAD});
+             INSERT INTO events.outbox
+                 (aggregate_type, aggregate_id, event_type, payload, next_retry_at)
+             SELECT 'a', gen_random_uuid(), 'E', '{{}}', now() + interval '1 hour'
+             FROM generate_series(1, {PARKED});
              -- A batch of due deliveries of a healthy subscriber, and a batch of new events.
              INSERT INTO events.outbox_deliveries
                  (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at)
