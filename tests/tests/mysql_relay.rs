@@ -265,18 +265,40 @@ async fn wait_for_statement(db: &TestMyDb, pattern: &str) {
     }
 }
 
-/// Rows the session on `conn` has read from tables and indexes so far (its `Handler_read_*`
-/// counters: lookups, index steps both ways, and rows of full scans).
-async fn rows_read(conn: &mut sqlx::MySqlConnection) -> i64 {
+/// Rows the session of `outbox`'s pool (of one connection) has read from tables and indexes
+/// so far (its `Handler_read_*` counters: lookups, index steps both ways, and rows of full
+/// scans).
+async fn rows_read(outbox: &TestOutbox) -> i64 {
     let rows: Vec<(String, String)> = sqlx::query_as(
         "SHOW SESSION STATUS WHERE Variable_name IN ('Handler_read_first', 'Handler_read_key',
              'Handler_read_last', 'Handler_read_next', 'Handler_read_prev', 'Handler_read_rnd',
              'Handler_read_rnd_next')",
     )
-    .fetch_all(&mut *conn)
+    .fetch_all(outbox.pool())
     .await
     .unwrap();
     rows.iter().map(|(_, n)| n.parse::<i64>().unwrap()).sum()
+}
+
+/// An outbox on a pool of one connection to `db`: what it runs, and the counters of
+/// [`rows_read`], are that session's.
+async fn one_session(db: &TestMyDb) -> TestOutbox {
+    Outbox::new(TestMyDb::connect(&db.url(), 1).await)
+}
+
+/// A claim of up to `events` events (and as many deliveries) on `outbox`, with the rows it read.
+async fn claim_counted(outbox: &TestOutbox, events: i64) -> (outbox_core::store::Batch, i64) {
+    let before = rows_read(outbox).await;
+    let batch = outbox
+        .store()
+        .claim(
+            ClaimLimit::events(u32::try_from(events).unwrap()),
+            Duration::from_secs(60),
+            &ClaimFilter::default(),
+        )
+        .await
+        .unwrap();
+    (batch, rows_read(outbox).await - before)
 }
 
 /// A claim's cost does not grow with the rows waiting in the keys of the events it claims: 10
@@ -290,42 +312,22 @@ async fn a_claim_reads_a_batch_whatever_waits_in_the_keys_of_its_events() {
     const WAITING: i64 = 1_000;
     const NEW: i64 = 10;
     let (db, _outbox) = setup().await;
-    sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET SESSION max_recursive_iterations = 100000;
-         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                             published_at)
-         WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEYS} * {WAITING})
-         SELECT 't', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6), UTC_TIMESTAMP(6)
-         FROM g;
-         INSERT INTO outbox_deliveries
-             (event_id, subscriber, aggregate_type, aggregate_id, next_retry_at, dead_at)
-         SELECT o.id, 'down', 't', o.aggregate_id,
-                IF(f.first = o.id, UTC_TIMESTAMP(6), NULL),
-                IF(f.first = o.id, UTC_TIMESTAMP(6), NULL)
-         FROM outbox AS o
-         JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id) AS f
-           ON f.aggregate_id = o.aggregate_id;
-         INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at)
-         WITH RECURSIVE g (n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < {KEYS} * {NEW})
-         SELECT 't', UNHEX(MD5(n % {KEYS})), 'E', '{{}}', UTC_TIMESTAMP(6) FROM g;"
-    )))
-    .execute(&db.pool)
-    .await
-    .unwrap();
+    fill(
+        &db,
+        &[
+            events(
+                1..=KEYS * WAITING,
+                &format!("n % {KEYS}"),
+                &[("published_at", NOW)],
+            ),
+            waiting_behind_dead_heads("TRUE"),
+            events(1..=KEYS * NEW, &format!("n % {KEYS}"), &[]),
+        ]
+        .concat(),
+    )
+    .await;
 
-    // One connection: the claim runs on it, and its counters are read on it.
-    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
-    let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
-    let batch = claimer
-        .store()
-        .claim(
-            ClaimLimit::events(1_000),
-            Duration::from_secs(60),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
-    let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+    let (batch, read) = claim_counted(&one_session(&db).await, 1_000).await;
     assert_eq!(batch.claims.len() as i64, KEYS * NEW);
     assert!(
         batch.claims.iter().all(|claim| matches!(
@@ -342,12 +344,10 @@ async fn a_claim_reads_a_batch_whatever_waits_in_the_keys_of_its_events() {
     );
 }
 
-/// Runs `sql` (several statements) with recursive sets of up to a million rows allowed, then
-/// analyzes the tables.
+/// Runs `sql` (several statements) with recursive sets of up to a million rows allowed.
 async fn fill(db: &TestMyDb, sql: &str) {
     sqlx::raw_sql(sqlx::AssertSqlSafe(format!(
-        "SET SESSION max_recursive_iterations = 1000000; {sql}
-         ANALYZE TABLE outbox; ANALYZE TABLE outbox_deliveries;"
+        "SET SESSION max_recursive_iterations = 1000000; {sql}"
     )))
     .execute(&db.pool)
     .await
@@ -356,6 +356,9 @@ async fn fill(db: &TestMyDb, sql: &str) {
 
 /// The server's time, in the SQL of a set-up.
 const NOW: &str = "UTC_TIMESTAMP(6)";
+
+/// SQL that analyzes the tables, at the end of a set-up.
+const ANALYZED: &str = "ANALYZE TABLE outbox; ANALYZE TABLE outbox_deliveries;";
 
 /// SQL that inserts an event for each `n` of `ns`, of aggregate `UNHEX(MD5(<aggregate>))`
 /// (`aggregate`: an expression of `n`), type `E`, with each column of `set` given its value.
@@ -424,23 +427,13 @@ async fn a_claim_reads_a_batch_whatever_waits_behind_a_blocked_subscriber() {
                  FROM outbox WHERE published_at IS NOT NULL ORDER BY id DESC LIMIT {BATCH};"
             ),
             events(1..=BATCH, "CONCAT('new', n)", &[]),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
     .await;
 
-    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
-    let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
-    let batch = claimer
-        .store()
-        .claim(
-            ClaimLimit::events(BATCH as u32),
-            Duration::from_secs(60),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
-    let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+    let (batch, read) = claim_counted(&one_session(&db).await, BATCH).await;
     assert_eq!(
         batch.claims.len() as i64,
         2 * BATCH,
@@ -491,24 +484,15 @@ async fn a_claim_reads_a_batch_whatever_is_held_back() {
                  SELECT id, 'down', 'a', aggregate_id, {NOW} + INTERVAL 1 HOUR
                  FROM outbox WHERE published_at IS NOT NULL;"
             ),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
     .await;
 
-    let claimer: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let claimer = one_session(&db).await;
     for round in 0..=ARRIVING / BATCH {
-        let before = rows_read(&mut claimer.pool().acquire().await.unwrap()).await;
-        let batch = claimer
-            .store()
-            .claim(
-                ClaimLimit::events(BATCH as u32),
-                Duration::from_secs(60),
-                &ClaimFilter::default(),
-            )
-            .await
-            .unwrap();
-        let read = rows_read(&mut claimer.pool().acquire().await.unwrap()).await - before;
+        let (batch, read) = claim_counted(&claimer, BATCH).await;
         assert!(
             read <= 20 * BATCH,
             "claim {round} read {read} rows ({HELD} events held back, {WAITING} deliveries \
@@ -549,21 +533,14 @@ async fn a_record_reads_about_the_rows_it_records_whatever_waits_behind_them() {
                  JOIN (SELECT aggregate_id, min(id) AS first FROM outbox GROUP BY aggregate_id)
                    AS f ON f.aggregate_id = o.aggregate_id;"
             ),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
     .await;
 
-    let relay: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
-    let store = relay.store();
-    let batch = store
-        .claim(
-            ClaimLimit::events(100),
-            Duration::from_secs(30),
-            &ClaimFilter::default(),
-        )
-        .await
-        .unwrap();
+    let relay = one_session(&db).await;
+    let (batch, _) = claim_counted(&relay, 100).await;
     let mut outcomes = Outcomes::default();
     for claim in &batch.claims {
         let outbox_core::store::Claim::Delivery {
@@ -588,9 +565,9 @@ async fn a_record_reads_about_the_rows_it_records_whatever_waits_behind_them() {
         "the claim took every key's head: {recorded}"
     );
 
-    let before = rows_read(&mut relay.pool().acquire().await.unwrap()).await;
-    let applied = store.record(batch.token, &outcomes).await.unwrap();
-    let read = rows_read(&mut relay.pool().acquire().await.unwrap()).await - before;
+    let before = rows_read(&relay).await;
+    let applied = relay.store().record(batch.token, &outcomes).await.unwrap();
+    let read = rows_read(&relay).await - before;
     assert_eq!(applied, Recorded::Applied);
     assert!(
         read <= 10 * recorded,
@@ -636,6 +613,7 @@ async fn a_purge_reads_what_it_acts_on_not_the_retained_table() {
             events(1..=YOUNG, "CONCAT('young', n)", &[("published_at", NOW)]),
             events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
             events(1..=PENDING, "CONCAT('new', n)", &[]),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
@@ -646,16 +624,16 @@ async fn a_purge_reads_what_it_acts_on_not_the_retained_table() {
         .unwrap();
     assert_eq!(held, HELD, "the set-up holds {HELD} old events");
 
-    let purger: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let purger = one_session(&db).await;
     let store = purger.store();
     let (mut deleted, mut calls) = (0, 0);
     loop {
-        let before = rows_read(&mut purger.pool().acquire().await.unwrap()).await;
+        let before = rows_read(&purger).await;
         let purged = store
             .purge_published(Duration::from_secs(86_400), BATCH)
             .await
             .unwrap();
-        let read = rows_read(&mut purger.pool().acquire().await.unwrap()).await - before;
+        let read = rows_read(&purger).await - before;
         calls += 1;
         assert!(
             read <= 6 * i64::from(BATCH),
@@ -702,13 +680,14 @@ async fn the_status_reads_none_of_the_published_events() {
             waiting_behind_dead_heads(&format!("o.id <= {WAITING}")),
             events(1..=DEAD, "CONCAT('dead', n)", &[("dead_at", NOW)]),
             events(1..=PENDING, "CONCAT('new', n)", &[]),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
     .await;
 
     // A live relay that routes `E` to `down`: the status then also counts what no relay routes.
-    let outbox: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let outbox = one_session(&db).await;
     outbox
         .store()
         .register(
@@ -719,9 +698,9 @@ async fn the_status_reads_none_of_the_published_events() {
         )
         .await
         .unwrap();
-    let before = rows_read(&mut outbox.pool().acquire().await.unwrap()).await;
+    let before = rows_read(&outbox).await;
     let status = outbox.store().status().await.unwrap();
-    let read = rows_read(&mut outbox.pool().acquire().await.unwrap()).await - before;
+    let read = rows_read(&outbox).await - before;
     assert_eq!(status.pending_events, PENDING as u64);
     assert_eq!(status.pending_deliveries, (WAITING - KEYS) as u64);
     assert_eq!(status.dead_letters, (DEAD + KEYS) as u64);
@@ -743,9 +722,9 @@ async fn the_status_reads_none_of_the_published_events() {
 /// subscribers), with the rows of every table it read.
 async fn console_reads(console: &TestOutbox) -> Vec<(String, i64)> {
     let mut read = Vec::new();
-    let mut at = rows_read(&mut console.pool().acquire().await.unwrap()).await;
+    let mut at = rows_read(console).await;
     let mut since = async |what: String| {
-        let now = rows_read(&mut console.pool().acquire().await.unwrap()).await;
+        let now = rows_read(console).await;
         read.push((what, now - at));
         at = now;
     };
@@ -795,11 +774,12 @@ async fn console_reads_read_what_they_are_about() {
             events(1..=KEPT, "n", &[("published_at", &yesterday)]),
             events(1..=10, "CONCAT('new', n)", &[]),
             dead(1..=3),
+            ANALYZED.to_owned(),
         ]
         .concat(),
     )
     .await;
-    let console: TestOutbox = Outbox::new(TestMyDb::connect(&db.url(), 1).await);
+    let console = one_session(&db).await;
     let read = console_reads(&console).await;
     assert!(
         read.iter().all(|(_, rows)| *rows <= 300),
@@ -816,7 +796,7 @@ async fn console_reads_read_what_they_are_about() {
     let groups = console.dead_letter_groups().await.unwrap();
     assert_eq!(groups.iter().map(|g| g.dead).sum::<u64>(), 3);
 
-    fill(&db, &dead(4..=3 + DEAD)).await;
+    fill(&db, &[dead(4..=3 + DEAD), ANALYZED.to_owned()].concat()).await;
     let unpublished = 13 + DEAD;
     let read = console_reads(&console).await;
     assert!(
