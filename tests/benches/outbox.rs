@@ -252,13 +252,22 @@ fn median(mut values: Vec<f64>) -> f64 {
     values[values.len() / 2]
 }
 
+/// Prints the medians of `ours` and `raw` and their ratio, then each run's own ratio (ours and
+/// raw of a run alternate within it, so a run's ratio is the one the machine's drift between
+/// runs does not move) and their median.
 fn report(name: &str, unit: &str, ours: &[f64], raw: &[f64]) {
     let (o, r) = (median(ours.to_vec()), median(raw.to_vec()));
+    let per_run: Vec<f64> = ours.iter().zip(raw).map(|(o, r)| o / r).collect();
     println!(
-        "{name:<34} ours {o:>10.0} {unit:<9} raw {r:>10.0} {unit:<9} ratio {:.2}   (runs: ours {:?}, raw {:?})",
+        "{name:<34} ours {o:>10.0} {unit:<9} raw {r:>10.0} {unit:<9} ratio {:.2}   (runs: ours {:?}, raw {:?}; ratio of each run {:?}, median {:.2})",
         o / r,
         ours.iter().map(|v| v.round()).collect::<Vec<_>>(),
-        raw.iter().map(|v| v.round()).collect::<Vec<_>>()
+        raw.iter().map(|v| v.round()).collect::<Vec<_>>(),
+        per_run
+            .iter()
+            .map(|v| (v * 100.0).round() / 100.0)
+            .collect::<Vec<_>>(),
+        median(per_run.clone()),
     );
 }
 
