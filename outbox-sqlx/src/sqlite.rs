@@ -1467,14 +1467,31 @@ mod tests {
     use super::*;
     use crate::Outbox;
 
-    /// A migrated database on a fresh file, filled by `fill` (SQL).
-    async fn filled(fill: &'static str) -> (<Sqlite as TestBackend>::Guard, SqlitePool) {
+    /// A migrated database on a fresh file with 20 000 published events, of aggregate
+    /// `aggregate` (an SQL expression of `n`, 1 to 20 000), and a delivery row waiting for a
+    /// subscriber that is down for each of those that `waiting` (a condition) holds true of;
+    /// analyzed.
+    async fn filled(
+        aggregate: &str,
+        waiting: &str,
+    ) -> (<Sqlite as TestBackend>::Guard, SqlitePool) {
         let (file, pool) = <Sqlite as TestBackend>::fresh().await;
         Outbox::<Sqlite, ()>::new(pool.clone())
             .migrate()
             .await
             .unwrap();
-        sqlx::raw_sql(fill).execute(&pool).await.unwrap();
+        sqlx::raw_sql(AssertSqlSafe(format!(
+            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
+             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
+                                 published_at)
+             SELECT 'a', {aggregate}, 'E', '{{}}', 0, n FROM g;
+             INSERT INTO outbox_deliveries (event_id, subscriber, aggregate_type, aggregate_id)
+             SELECT id, 'down', aggregate_type, aggregate_id FROM outbox WHERE {waiting};
+             ANALYZE;"
+        )))
+        .execute(&pool)
+        .await
+        .unwrap();
         (file, pool)
     }
 
@@ -1538,16 +1555,7 @@ mod tests {
     /// events, and the claim no waiting delivery but through an index probe.
     #[tokio::test]
     async fn the_claim_the_purge_and_the_status_read_by_index() {
-        let (_file, pool) = filled(
-            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             SELECT 'a', randomblob(16), 'E', '{}', 0, n FROM g;
-             INSERT INTO outbox_deliveries (event_id, subscriber, aggregate_type, aggregate_id)
-             SELECT id, 'down', aggregate_type, aggregate_id FROM outbox WHERE id % 2 = 0;
-             ANALYZE;",
-        )
-        .await;
+        let (_file, pool) = filled("randomblob(16)", "id % 2 = 0").await;
         let queries = Sqlite::queries(&TableNames::default());
         for (name, statement, deliveries_counted) in [
             ("candidates", &queries.candidates, false),
@@ -1578,16 +1586,7 @@ mod tests {
     /// on 10 aggregates with 2 000 deliveries each waiting for a subscriber that is down.
     #[tokio::test]
     async fn the_claim_finds_what_holds_an_event_back_by_one_probe_per_subscriber() {
-        let (_file, pool) = filled(
-            "WITH RECURSIVE g(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM g WHERE n < 20000)
-             INSERT INTO outbox (aggregate_type, aggregate_id, event_type, payload, occurred_at,
-                                 published_at)
-             SELECT 'a', CAST(printf('%016d', n % 10) AS BLOB), 'E', '{}', 0, n FROM g;
-             INSERT INTO outbox_deliveries (event_id, subscriber, aggregate_type, aggregate_id)
-             SELECT id, 'down', aggregate_type, aggregate_id FROM outbox;
-             ANALYZE;",
-        )
-        .await;
+        let (_file, pool) = filled("CAST(printf('%016d', n % 10) AS BLOB)", "TRUE").await;
         let queries = Sqlite::queries(&TableNames::default());
         let plan = plan(&pool, &queries.claim_events).await;
         let deliveries: Vec<&str> = plan
